@@ -1,0 +1,3 @@
+"""`leapctl apply-mask`."""
+
+from leapctl.cli import app  # noqa: F401

@@ -1,0 +1,3 @@
+"""`leapctl eval`."""
+
+from leapctl.cli import app  # noqa: F401

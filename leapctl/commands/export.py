@@ -1,0 +1,3 @@
+"""`leapctl export`."""
+
+from leapctl.cli import app  # noqa: F401

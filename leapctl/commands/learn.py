@@ -1,0 +1,3 @@
+"""`leapctl learn`."""
+
+from leapctl.cli import app  # noqa: F401

@@ -1,0 +1,3 @@
+"""`leapctl prune`."""
+
+from leapctl.cli import app  # noqa: F401

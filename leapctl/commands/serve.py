@@ -1,0 +1,3 @@
+"""`leapctl serve`."""
+
+from leapctl.cli import app  # noqa: F401

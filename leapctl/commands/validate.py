@@ -1,0 +1,3 @@
+"""`leapctl validate`."""
+
+from leapctl.cli import app  # noqa: F401

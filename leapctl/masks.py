@@ -1,0 +1,93 @@
+"""`masks.safetensors`: one packed bitmap per pruned weight, the mask format every command reads.
+
+Each tensor is keyed by the weight's name (`model.layers.0.self_attn.q_proj.weight`) and holds
+uint8 [rows, ceil(cols/8)], little-endian bits (bit j of byte b is column 8b+j, as compressed-tensors
+packs). The metadata carries the model name, the shapes and the sparsity per layer and overall."""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from leapctl.errors import LeapctlError
+from sparse_formats import pack_rows, unpack_rows
+
+MASK_FORMAT = "leapctl.masks/1"
+
+
+@dataclass
+class MaskSet:
+    """Boolean keep-masks by weight name (True = kept) and the file's metadata."""
+
+    masks: dict[str, torch.Tensor]
+    model: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def sparsity(self) -> dict[str, float]:
+        """Fraction of zeros per weight, and `global` over all of them together."""
+        out = {name: 1.0 - m.float().mean().item() for name, m in self.masks.items()}
+        total = sum(m.numel() for m in self.masks.values())
+        kept = sum(int(m.sum()) for m in self.masks.values())
+        out["global"] = 1.0 - kept / total if total else 0.0
+        return out
+
+
+def save_masks(path: Path, mask_set: MaskSet) -> None:
+    """Write packed bitmaps with shapes and sparsity in the safetensors metadata."""
+    tensors = {}
+    for name, mask in mask_set.masks.items():
+        if mask.dim() != 2:
+            raise LeapctlError(f"mask {name} is not 2-D: shape {tuple(mask.shape)}")
+        tensors[name] = pack_rows(mask.bool().cpu()).contiguous()
+    metadata = {
+        "format": MASK_FORMAT,
+        "model": mask_set.model,
+        "shapes": json.dumps({n: list(m.shape) for n, m in mask_set.masks.items()}),
+        "sparsity": json.dumps(mask_set.sparsity()),
+        "extra": json.dumps(mask_set.extra),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_masks(path: Path) -> MaskSet:
+    """Read a mask file written by `save_masks`; one clear error if it is missing or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise LeapctlError(f"mask file {path} does not exist")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        packed = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise LeapctlError(f"mask file {path} is not a readable safetensors file: {exc}") from None
+    if metadata.get("format") != MASK_FORMAT:
+        raise LeapctlError(f"{path} is not a leapctl mask file (format {metadata.get('format')!r})")
+    shapes = json.loads(metadata["shapes"])
+    masks = {}
+    for name, bits in packed.items():
+        if name not in shapes:
+            raise LeapctlError(f"mask file {path}: no shape recorded for {name}")
+        rows, cols = shapes[name]
+        if tuple(bits.shape) != (rows, (cols + 7) // 8) or bits.dtype != torch.uint8:
+            raise LeapctlError(f"mask file {path}: {name} has packed shape {tuple(bits.shape)}, "
+                               f"expected {(rows, (cols + 7) // 8)} for a {rows}x{cols} weight")
+        masks[name] = unpack_rows(bits, cols)
+    return MaskSet(masks=masks, model=metadata.get("model", ""), extra=json.loads(metadata.get("extra", "{}")))
+
+
+@torch.no_grad()
+def apply_masks(model: torch.nn.Module, mask_set: MaskSet) -> None:
+    """Zero the pruned weights in place; every mask must name a weight of matching shape."""
+    params = dict(model.named_parameters())
+    for name, mask in mask_set.masks.items():
+        if name not in params:
+            raise LeapctlError(f"mask names {name}, which the model does not have")
+        weight = params[name]
+        if tuple(weight.shape) != tuple(mask.shape):
+            raise LeapctlError(f"mask for {name} has shape {tuple(mask.shape)}, weight has {tuple(weight.shape)}")
+        weight.mul_(mask.to(device=weight.device, dtype=weight.dtype))

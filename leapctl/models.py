@@ -1,0 +1,109 @@
+"""Finding, loading and inspecting causal LMs: local Hugging Face folders, hub ids, built-in names.
+
+Prunable layers are the `nn.Linear` modules inside the decoder blocks (q, k, v, o, gate, up, down);
+embeddings and `lm_head` are never pruned."""
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from leapctl.errors import LeapctlError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
+
+
+def resolve_model(spec: str) -> Path:
+    """Turn a MODEL argument into a local checkpoint folder: built-in name, local folder or hub id."""
+    from leapctl.builtin_models import BUILTIN_MODELS, materialize_builtin
+
+    if spec in BUILTIN_MODELS:
+        return materialize_builtin(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise LeapctlError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
+        return path
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise LeapctlError(f"model {spec!r} is neither a local folder, a built-in name "
+                           f"({', '.join(BUILTIN_MODELS)}) nor a hub id (owner/name)")
+    return _download_from_hub(spec)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """The real hub loader; offline it fails with one line instead of a traceback."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # the hub client raises many types for network and auth problems
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LeapctlError(f"could not fetch {repo_id!r} from the Hugging Face hub: {reason}") from None
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load (model, tokenizer) in eval mode; one clear error for missing, corrupt or unsupported models."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(spec)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise LeapctlError(f"cannot read the config of {spec}: {_first_line(exc)}") from None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise LeapctlError(f"unsupported architecture {config.model_type!r} in {spec} "
+                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise LeapctlError(f"cannot load the model {spec}: {_first_line(exc)}") from None
+    model.to(device).eval()
+    model.name_or_path = spec
+    return model, tokenizer
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder blocks of a Llama, Qwen2 or Gemma3 causal LM."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None and inner is not None:  # multimodal wrappers keep the text model one level deeper
+        layers = getattr(getattr(inner, "language_model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise LeapctlError(f"cannot find decoder blocks in {type(model).__name__}")
+    return layers
+
+
+def block_prefix(model: nn.Module) -> str:
+    """Qualified name of the decoder block list, e.g. `model.layers`."""
+    blocks = decoder_blocks(model)
+    for name, module in model.named_modules():
+        if module is blocks:
+            return name
+    raise LeapctlError("decoder blocks are not reachable by name")
+
+
+def prunable_linears(model: nn.Module, include: str | None = None, exclude: str | None = None) -> dict[str, nn.Linear]:
+    """`nn.Linear` modules inside the decoder blocks by qualified name, filtered by optional regexes
+    (`re.search` on the name); the default set is every linear in every block."""
+    prefix = block_prefix(model)
+    inc = re.compile(include) if include else None
+    exc = re.compile(exclude) if exclude else None
+    found = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not name.startswith(prefix + "."):
+            continue
+        if inc and not inc.search(name):
+            continue
+        if exc and exc.search(name):
+            continue
+        found[name] = module
+    if not found:
+        raise LeapctlError("no prunable linear layers matched (check --include/--exclude)")
+    return found

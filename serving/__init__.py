@@ -1,0 +1,1 @@
+"""Serving: the `leap_sparse` vLLM quantization method and the sparse linear op it computes with."""

@@ -1,0 +1,5 @@
+"""Errors raised by format checks; the message names what is wrong."""
+
+
+class FormatError(ValueError):
+    """Encoded sparse data is inconsistent (lengths, offsets, positions, counts)."""

@@ -1,0 +1,1 @@
+"""The `tiled-bitmap` format."""

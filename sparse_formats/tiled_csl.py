@@ -1,0 +1,1 @@
+"""The `tiled-csl` format."""

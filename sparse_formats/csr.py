@@ -1,1 +1,84 @@
-"""The `csr` format."""
+"""The `csr` format: compressed sparse rows, the layout every sparse library reads.
+
+Tensors for a [rows, cols] weight:
+- `shape`: int64[2].
+- `values`: kept values in row-major order, in the weight's dtype.
+- `col_indices`: int32 [nnz], the column of each value, strictly increasing within a row.
+- `row_ptr`: int64 [rows+1], row i holds values[row_ptr[i]:row_ptr[i+1]].
+
+Four index bytes per kept weight: larger than `bitmap` at LLM sparsities, kept for interchange."""
+
+import numpy as np
+import torch
+
+from sparse_formats.base import register
+from sparse_formats.checks import (
+    check_encode_inputs,
+    first_index,
+    from_raw_bits,
+    raw_bits,
+    read_shape,
+    require,
+    shape_tensor,
+)
+from sparse_formats.errors import FormatError
+
+
+class CsrFormat:
+    name = "csr"
+
+    def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        check_encode_inputs(weight, mask)
+        keep = mask.contiguous().numpy()
+        flat = np.flatnonzero(keep)
+        counts = np.count_nonzero(keep, axis=1).astype(np.int64)
+        return {
+            "shape": shape_tensor(weight),
+            "values": from_raw_bits(raw_bits(weight).reshape(-1).take(flat), weight.dtype),
+            "col_indices": torch.from_numpy((flat % max(weight.shape[1], 1)).astype(np.int32)),
+            "row_ptr": torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])),
+        }
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows, cols = read_shape(tensors, self.name)
+        values, row_ptr = tensors["values"], tensors["row_ptr"].numpy()
+        row_ids = np.repeat(np.arange(rows, dtype=np.int64), np.diff(row_ptr))
+        dense = np.zeros(rows * cols, dtype=raw_bits(values).dtype)
+        dense[row_ids * cols + tensors["col_indices"].numpy()] = raw_bits(values)
+        return from_raw_bits(dense.reshape(rows, cols), values.dtype)
+
+    def check(self, tensors: dict[str, torch.Tensor]) -> None:
+        rows, cols = read_shape(tensors, self.name)
+        values = require(tensors, self.name, "values", None, 1)
+        col_indices = require(tensors, self.name, "col_indices", torch.int32, 1)
+        row_ptr = require(tensors, self.name, "row_ptr", torch.int64, 1)
+        if row_ptr.numel() != rows + 1:
+            raise FormatError(f"csr: row_ptr has {row_ptr.numel()} entries, expected {rows + 1} (rows + 1)")
+        if int(row_ptr[0]) != 0:
+            raise FormatError(f"csr: row_ptr[0] is {int(row_ptr[0])}, expected 0")
+        steps = row_ptr[1:] - row_ptr[:-1]
+        if bool((steps < 0).any()):
+            row = first_index(steps < 0)
+            raise FormatError(f"csr: row_ptr is not monotone at row {row} "
+                              f"({int(row_ptr[row])} then {int(row_ptr[row + 1])})")
+        nnz = int(row_ptr[-1])
+        if values.numel() != nnz or col_indices.numel() != nnz:
+            raise FormatError(f"csr: row_ptr ends at {nnz} but there are {values.numel()} values and "
+                              f"{col_indices.numel()} col_indices (count mismatch)")
+        if nnz == 0:
+            return
+        outside = (col_indices < 0) | (col_indices >= cols)
+        if bool(outside.any()):
+            at = first_index(outside)
+            raise FormatError(f"csr: col_indices[{at}] = {int(col_indices[at])} is out of range for "
+                              f"{cols} columns")
+        row_start = torch.zeros(nnz, dtype=torch.bool)
+        row_start[row_ptr[:-1][row_ptr[:-1] < nnz]] = True
+        unordered = (col_indices[1:] <= col_indices[:-1]) & ~row_start[1:]
+        if bool(unordered.any()):
+            at = first_index(unordered) + 1
+            raise FormatError(f"csr: col_indices[{at}] = {int(col_indices[at])} does not increase within "
+                              f"its row (duplicate or unsorted column)")
+
+
+CSR = register(CsrFormat())

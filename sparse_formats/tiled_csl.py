@@ -1,1 +1,184 @@
-"""The `tiled-csl` format."""
+"""The `tiled-csl` format: Flash-LLM's Tiled-CSL layout (Xia et al., VLDB 2024), the layout its SpMM
+kernel loads tile by tile into shared memory.
+
+Layout, as Flash-LLM's `InitSparseMatrixA_API_NoReorder` writes it, for a [rows, cols] weight (M x K):
+- The weight is cut into tiles of 128 rows x 64 columns, numbered row-major over the tile grid:
+  tile t = (row tile i, column tile j) with t = i * ceil(cols/64) + j. Flash-LLM requires M % 128 == 0 and
+  K % 64 == 0; here edge tiles are padded with zeros, and positions past the shape are never kept.
+- `words`: int32 [4 * tile_offsets[-1]], one 32-bit word per stored entry, tiles one after the other, and
+  within a tile the entries in row-major order of (row r, column c) in the tile. Low 16 bits: the raw bits
+  of the 16-bit value; high 16 bits: the in-tile position r * 64 + (c XOR ((r % 8) << 3)) - Flash-LLM's
+  column swizzle that makes the shared-memory writes bank-conflict free.
+- Padding: each tile's entry count is rounded up to a multiple of 4 (the kernel reads 4 words at a time,
+  one uint4) with zero-valued entries at the tile's first not-kept positions in row-major order,
+  interleaved in scan order as Flash-LLM does. Flash-LLM picks zero positions by value; here by mask, so
+  a kept weight whose value is 0 still counts as kept.
+- `tile_offsets`: int32 [n_tiles + 2], in units of 4 words: tile t holds
+  words[4*tile_offsets[t] : 4*tile_offsets[t+1]]; entry 0 is 0 and the last entry repeats the total
+  (Flash-LLM's "N+1 offsets + 1 padding", an empty tile at the end).
+- `value_dtype`: an empty tensor whose dtype names how to read the 16-bit values. Flash-LLM is fp16 only;
+  bf16 weights are stored as their raw bf16 bits (a bf16 kernel reads them the same way). 32-bit weights
+  do not fit the word and are refused: cast to fp16 or bf16 first.
+- `shape`: int64[2].
+
+Flash-LLM's default encoder (`InitSparseMatrixA_API`) additionally permutes entries inside a tile to
+balance shared-memory banks; positions are explicit, so that permutation changes only the order of
+words within a tile, and this module keeps the plain scan order. Four bytes per kept weight: no saving
+at 50% sparsity over dense fp16."""
+
+import numpy as np
+import torch
+
+from sparse_formats.base import register
+from sparse_formats.checks import (
+    check_encode_inputs,
+    first_index,
+    from_raw_bits,
+    raw_bits,
+    read_shape,
+    require,
+    shape_tensor,
+)
+from sparse_formats.errors import FormatError
+
+TILE_ROWS = 128
+TILE_COLS = 64
+TILE_SIZE = TILE_ROWS * TILE_COLS
+VECTOR = 4  # words per uint4 load
+VALUE_DTYPES = (torch.float16, torch.bfloat16)
+PROBE = TILE_COLS  # padding positions are looked for in each tile's first row before the whole tile
+
+
+def _grid(rows: int, cols: int) -> tuple[int, int]:
+    return -(-rows // TILE_ROWS), -(-cols // TILE_COLS)
+
+
+def _to_tiles(matrix: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """[rows, cols] -> [n_tiles, 8192], zero-padded, each tile row-major."""
+    tile_rows, tile_cols = grid
+    padded = np.zeros((tile_rows * TILE_ROWS, tile_cols * TILE_COLS), dtype=matrix.dtype)
+    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
+    tiles = padded.reshape(tile_rows, TILE_ROWS, tile_cols, TILE_COLS).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(tiles).reshape(tile_rows * tile_cols, TILE_SIZE)
+
+
+def _swizzle(position: np.ndarray) -> np.ndarray:
+    """Row-major in-tile position <-> Flash-LLM's stored position (the XOR is its own inverse)."""
+    row = position >> 6
+    return (row << 6) | ((position & (TILE_COLS - 1)) ^ ((row & 7) << 3))
+
+
+def _padding_positions(kept: np.ndarray, padding: np.ndarray) -> np.ndarray:
+    """Bool [n_tiles, 8192]: each tile's first `padding[t]` not-kept positions in row-major order.
+    Most tiles find them in their first row; only the others pay for a scan of the whole tile."""
+    chosen = np.zeros_like(kept)
+    probe_free = ~kept[:, :PROBE]
+    probe_rank = np.cumsum(probe_free, axis=1, dtype=np.int16)
+    chosen[:, :PROBE] = probe_free & (probe_rank <= padding[:, None])
+    short = np.flatnonzero(probe_rank[:, -1] < padding)
+    if short.size:
+        free = ~kept[short]
+        rank = np.cumsum(free, axis=1, dtype=np.int16)
+        chosen[short] = free & (rank <= padding[short, None])
+    return chosen
+
+
+class TiledCslFormat:
+    name = "tiled-csl"
+
+    def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        check_encode_inputs(weight, mask)
+        if weight.dtype not in VALUE_DTYPES:
+            raise ValueError(f"tiled-csl stores 16-bit values (float16 or bfloat16), got {weight.dtype}; "
+                             f"cast the weight first")
+        grid = _grid(*weight.shape)
+        kept = _to_tiles(mask.contiguous().numpy(), grid)
+        counts = np.count_nonzero(kept, axis=1)
+        padding = ((-counts) % VECTOR).astype(np.int16)
+        padded = _padding_positions(kept, padding)
+        stored = np.flatnonzero(kept | padded)
+        bits = _to_tiles(raw_bits(weight), grid).reshape(-1).take(stored).astype(np.int32) & 0xFFFF
+        bits[padded.reshape(-1)[stored]] = 0  # padding entries hold zero, whatever the pruned weight was
+        words = (_swizzle((stored & (TILE_SIZE - 1)).astype(np.int32)) << 16) | bits
+        ends = np.cumsum((counts + padding) // VECTOR).astype(np.int32)
+        offsets = np.concatenate([[0], ends, ends[-1:] if ends.size else [0]]).astype(np.int32)
+        return {
+            "shape": shape_tensor(weight),
+            "words": torch.from_numpy(words),
+            "tile_offsets": torch.from_numpy(offsets),
+            "value_dtype": torch.empty(0, dtype=weight.dtype),
+        }
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows, cols = read_shape(tensors, self.name)
+        grid = _grid(rows, cols)
+        keys, bits = _unpack(tensors, grid)
+        tiles = np.zeros((grid[0] * grid[1], TILE_SIZE), dtype=np.int16)
+        tiles.reshape(-1)[keys] = bits
+        dense = tiles.reshape(grid[0], grid[1], TILE_ROWS, TILE_COLS).transpose(0, 2, 1, 3)
+        dense = dense.reshape(grid[0] * TILE_ROWS, grid[1] * TILE_COLS)[:rows, :cols]
+        return from_raw_bits(np.ascontiguousarray(dense), tensors["value_dtype"].dtype)
+
+    def check(self, tensors: dict[str, torch.Tensor]) -> None:
+        rows, cols = read_shape(tensors, self.name)
+        words = require(tensors, self.name, "words", torch.int32, 1)
+        offsets = require(tensors, self.name, "tile_offsets", torch.int32, 1)
+        marker = require(tensors, self.name, "value_dtype")
+        if marker.dtype not in VALUE_DTYPES:
+            raise FormatError(f"tiled-csl: value_dtype is {marker.dtype}, expected float16 or bfloat16")
+        grid = _grid(rows, cols)
+        n_tiles = grid[0] * grid[1]
+        if offsets.numel() != n_tiles + 2:
+            raise FormatError(f"tiled-csl: tile_offsets has {offsets.numel()} entries, {n_tiles} tiles need "
+                              f"{n_tiles + 2}")
+        if int(offsets[0]) != 0:
+            raise FormatError(f"tiled-csl: tile_offsets[0] is {int(offsets[0])}, expected 0")
+        steps = offsets[1:] - offsets[:-1]
+        if bool((steps < 0).any()):
+            tile = first_index(steps < 0)
+            raise FormatError(f"tiled-csl: tile_offsets is not monotone at tile {tile} "
+                              f"({int(offsets[tile])} then {int(offsets[tile + 1])})")
+        if int(offsets[-1]) != int(offsets[-2]):
+            raise FormatError("tiled-csl: the last tile_offsets entry must repeat the total "
+                              "(Flash-LLM's padding entry)")
+        if words.numel() != VECTOR * int(offsets[-1]):
+            raise FormatError(f"tiled-csl: tile_offsets account for {VECTOR * int(offsets[-1])} words but "
+                              f"words holds {words.numel()} (count mismatch)")
+        if bool((steps[:-1] > TILE_SIZE // VECTOR).any()):
+            tile = first_index(steps[:-1] > TILE_SIZE // VECTOR)
+            raise FormatError(f"tiled-csl: tile {tile} holds more entries than its {TILE_SIZE} positions")
+        raw_positions = (words.numpy() >> 16) & 0xFFFF
+        if (raw_positions >= TILE_SIZE).any():
+            at = int(np.argmax(raw_positions >= TILE_SIZE))
+            raise FormatError(f"tiled-csl: words[{at}] has in-tile position {int(raw_positions[at])}, "
+                              f"out of range for a {TILE_ROWS}x{TILE_COLS} tile")
+        keys, bits = _unpack(tensors, grid)
+        tile_ids, positions = keys >> 13, keys & (TILE_SIZE - 1)
+        row = (tile_ids // grid[1]) * TILE_ROWS + (positions >> 6)
+        col = (tile_ids % grid[1]) * TILE_COLS + (positions & (TILE_COLS - 1))
+        outside = ((row >= rows) | (col >= cols)) & (bits != 0)
+        if outside.any():
+            at = int(np.argmax(outside))
+            raise FormatError(f"tiled-csl: words[{at}] puts a value at ({int(row[at])}, {int(col[at])}), "
+                              f"out of range for shape {rows}x{cols}")
+        occupied = np.zeros(n_tiles * TILE_SIZE, dtype=bool)
+        occupied[keys] = True
+        if np.count_nonzero(occupied) != keys.size:
+            first_seen = np.zeros(n_tiles * TILE_SIZE, dtype=np.int64)
+            np.add.at(first_seen, keys, 1)
+            key = int(np.argmax(first_seen > 1))
+            raise FormatError(f"tiled-csl: tile {key // TILE_SIZE} has two entries at in-tile position "
+                              f"{key % TILE_SIZE}")
+
+
+def _unpack(tensors: dict[str, torch.Tensor], grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(tile id * 8192 + row-major in-tile position, raw int16 value bits) of every stored word."""
+    words, offsets = tensors["words"].numpy(), tensors["tile_offsets"].numpy().astype(np.int64)
+    n_tiles = grid[0] * grid[1]
+    per_tile = (offsets[1 : n_tiles + 1] - offsets[:n_tiles]) * VECTOR
+    tile_ids = np.repeat(np.arange(n_tiles, dtype=np.int64), per_tile)
+    keys = (tile_ids << 13) | _swizzle((words >> 16) & 0xFFFF)
+    return keys, (words & 0xFFFF).astype(np.int16)
+
+
+TILED_CSL = register(TiledCslFormat())

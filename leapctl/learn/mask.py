@@ -1,0 +1,238 @@
+"""The learnable mask: one logit per prunable weight, relaxed with the Gumbel-sigmoid.
+
+`M = sigmoid((alpha * P + g) / tau)` with g logistic noise while training. The weight W stays frozen;
+only P is trained. `MaskedLinear` applies the mask inside the forward through `MaskedLinearFunction`,
+which keeps only x, W and P for the backward and recomputes M (and W*M) there, so no full-size copy
+of W, M or the noise outlives one layer's forward or backward.
+
+The noise is not drawn from the global RNG: each layer draws it from a generator seeded with
+(run seed, optimizer step, global micro-batch index, layer index). The same sample therefore comes
+back in the backward, in gradient-checkpoint recomputation, after a resume and on every data-parallel
+rank that processes that micro-batch."""
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+UNIFORM_EPS = 1e-6  # keeps log(u) - log(1-u) finite; caps |g| at about 13.8
+
+
+def noise_seed(run_seed: int, step: int, micro_batch: int, layer: int) -> int:
+    """A 63-bit seed for one layer's noise in one micro-batch; independent of process and world size."""
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{micro_batch}:{layer}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def logistic_noise(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    """g = log(u) - log(1 - u), u ~ U(0, 1): the difference of two Gumbels, drawn reproducibly from `seed`."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    u.clamp_(UNIFORM_EPS, 1.0 - UNIFORM_EPS)
+    return u.log_() - torch.log1p(-u)
+
+
+def soft_mask(logits: torch.Tensor, alpha: float, tau: float, seed: int | None) -> torch.Tensor:
+    """sigmoid((alpha * P + g) / tau) in fp32; no noise when `seed` is None (evaluation)."""
+    z = logits.float() * alpha
+    if seed is not None:
+        z += logistic_noise(logits.shape, seed, logits.device)
+    return torch.sigmoid_(z.div_(tau))
+
+
+class MaskedLinearFunction(torch.autograd.Function):
+    """y = x @ (W * M)^T + b, plus two scalars the regularisers need: sum(M) and ||W * M||_F^2.
+
+    Saves only references to x, W and P; the backward recomputes M from the same seed. Gradients flow
+    to P only (W and b are frozen). Matmuls run in `compute_dtype` (bf16 under autocast), M in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, logits, alpha, tau, seed, compute_dtype):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            mask = soft_mask(logits, alpha, tau, seed)
+            masked = weight.float() * mask
+            mask_sum = mask.sum()
+            masked_norm_sq = masked.square().sum()
+            masked_c = masked.to(compute_dtype)
+            del masked, mask
+            y = x.to(compute_dtype) @ masked_c.t()
+            if bias is not None:
+                y = y + bias.to(compute_dtype)
+        ctx.save_for_backward(x, weight, logits)
+        ctx.alpha, ctx.tau, ctx.seed, ctx.compute_dtype = alpha, tau, seed, compute_dtype
+        return y, mask_sum, masked_norm_sq
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_mask_sum, grad_norm_sq):
+        x, weight, logits = ctx.saved_tensors
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            mask = soft_mask(logits, ctx.alpha, ctx.tau, ctx.seed)
+            w = weight.float()
+            grad_y = grad_y.to(ctx.compute_dtype)
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad_y @ (w * mask).to(ctx.compute_dtype)).to(x.dtype)
+            grad_masked = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.to(ctx.compute_dtype).reshape(
+                -1, x.shape[-1]
+            )
+            grad_mask = grad_masked.float().mul_(w)
+            if grad_mask_sum is not None:
+                grad_mask += grad_mask_sum
+            if grad_norm_sq is not None:
+                grad_mask += (2.0 * grad_norm_sq) * mask * w.square()
+            # dM/dP = (alpha / tau) * M * (1 - M)
+            grad_logits = grad_mask.mul_(mask).mul_(1.0 - mask).mul_(ctx.alpha / ctx.tau).to(logits.dtype)
+        return grad_x, None, None, grad_logits, None, None, None, None
+
+
+@dataclass
+class MaskState:
+    """What every masked layer needs to know for the current forward: temperature schedule values,
+    whose noise to draw, and where to record the regulariser scalars."""
+
+    run_seed: int = 0
+    alpha: float = 25.0
+    tau: float = 4.0
+    step: int = 0
+    micro_batch: int = 0
+    noisy: bool = True
+    compute_dtype: torch.dtype = torch.float32
+    recording: bool = False
+    mask_sums: list = field(default_factory=list)
+    masked_norms_sq: list = field(default_factory=list)
+
+    def start_micro_batch(self, step: int, micro_batch: int) -> None:
+        """Reset the records; only the forward pass records (not checkpoint recomputation in backward)."""
+        self.step, self.micro_batch = step, micro_batch
+        self.mask_sums, self.masked_norms_sq = [], []
+        self.recording = True
+
+
+class MaskedLinear(nn.Module):
+    """Drop-in replacement of a prunable `nn.Linear`: same frozen weight and bias, plus `mask_logits`."""
+
+    def __init__(self, linear: nn.Linear, logits: torch.Tensor, state: MaskState, layer_index: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.mask_logits = nn.Parameter(logits)
+        self.state = state
+        self.layer_index = layer_index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.state
+        seed = noise_seed(s.run_seed, s.step, s.micro_batch, self.layer_index) if s.noisy else None
+        y, mask_sum, norm_sq = MaskedLinearFunction.apply(
+            x, self.weight, self.bias, self.mask_logits, s.alpha, s.tau, seed, s.compute_dtype
+        )
+        if s.recording:
+            s.mask_sums.append(mask_sum)
+            s.masked_norms_sq.append(norm_sq)
+        return y
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def attach_masks(
+    model: nn.Module, linears: dict[str, nn.Linear], logits: dict[str, torch.Tensor], state: MaskState
+) -> dict[str, MaskedLinear]:
+    """Swap each named linear for a `MaskedLinear` holding its logits (keyed by `<name>.weight`)."""
+    masked = {}
+    for index, (name, linear) in enumerate(linears.items()):
+        layer = MaskedLinear(linear, logits[f"{name}.weight"], state, index)
+        _set_submodule(model, name, layer)
+        masked[name] = layer
+    return masked
+
+
+def detach_masks(model: nn.Module, masked: dict[str, MaskedLinear]) -> None:
+    """Put plain `nn.Linear` modules back (same weight tensors), e.g. before saving the checkpoint."""
+    for name, layer in masked.items():
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        linear.weight = layer.weight
+        if layer.bias is not None:
+            linear.bias = layer.bias
+        _set_submodule(model, name, linear)
+
+
+def init_logits(
+    keep_masks: dict[str, torch.Tensor],
+    mode: str,
+    scale: float,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Initial logits from a keep-mask (True = kept).
+
+    `wanda` (paper): +scale kept, -scale pruned. `wanda-small` (authors' code): N(0, 0.014) plus
+    +-3 * 0.014, i.e. small logits that start well inside the sigmoid's slope. For the `random`
+    ablation the caller passes a random keep-mask of the same density."""
+    out = {}
+    for name, keep in keep_masks.items():
+        sign = keep.float() * 2.0 - 1.0
+        if mode == "wanda-small":
+            std = 0.014
+            noise = torch.randn(keep.shape, generator=generator) * std
+            out[name] = (noise + sign * 3.0 * std).to(dtype)
+        else:
+            out[name] = (sign * scale).to(dtype)
+    return out
+
+
+def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys with the same order as the float32 values (a total order; -0.0 just below +0.0)."""
+    bits = values.float().contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def hard_masks(
+    logits: dict[str, torch.Tensor], density: float, mode: str = "global"
+) -> dict[str, torch.Tensor]:
+    """Boolean keep-masks from trained logits.
+
+    `global` (default): exactly round(density * total) weights kept, those with the largest logits over
+    all layers together; found by bisection on the float bit patterns, so nothing of model size is
+    concatenated or sorted. Ties at the threshold go to the earlier layer, then the lower flat index.
+    `per-layer`: round(density * numel) kept in every layer. `positive` (authors' code): P > 0."""
+    if mode == "positive":
+        return {name: p > 0 for name, p in logits.items()}
+    if mode == "per-layer":
+        out = {}
+        for name, p in logits.items():
+            keep = torch.zeros(p.numel(), dtype=torch.bool, device=p.device)
+            keep[torch.topk(p.float().flatten(), round(density * p.numel()), sorted=False).indices] = True
+            out[name] = keep.view_as(p)
+        return out
+    if mode != "global":
+        raise ValueError(f"unknown hard-mask mode {mode!r}")
+    total = sum(p.numel() for p in logits.values())
+    k = round(density * total)
+    keys = {name: _sortable_keys(p) for name, p in logits.items()}
+    # largest threshold t with count(key >= t) >= k
+    low, high = -(2**31), 2**31 - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if sum(int((key >= mid).sum()) for key in keys.values()) >= k:
+            low = mid
+        else:
+            high = mid - 1
+    threshold = low
+    out = {}
+    remaining_ties = k - sum(int((key > threshold).sum()) for key in keys.values())
+    for name, key in keys.items():
+        keep = key > threshold
+        if remaining_ties > 0:
+            ties = (key == threshold).flatten().nonzero().flatten()[:remaining_ties]
+            keep.view(-1)[ties] = True
+            remaining_ties -= ties.numel()
+        out[name] = keep
+    return out

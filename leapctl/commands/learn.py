@@ -90,6 +90,9 @@ def learn(
     keep_checkpoint: bool = typer.Option(
         False, "--keep-checkpoint", help="Keep the checkpoint after success."
     ),
+    save_logits: bool = typer.Option(
+        False, "--save-logits", help="Also write the trained logits (mask_logits.safetensors) into --out."
+    ),
     fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard with FSDP2 instead of DDP."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
@@ -136,6 +139,7 @@ def learn(
         resume=resume,
         overwrite=overwrite,
         keep_checkpoint=keep_checkpoint,
+        save_logits=save_logits,
         fsdp=fsdp,
         device=device,
         progress=progress,

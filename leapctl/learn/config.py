@@ -19,6 +19,7 @@ NOT_IN_FINGERPRINT = (
     "progress",
     "micro_batch_size",
     "keep_checkpoint",
+    "save_logits",
     "fsdp",
     "gradient_checkpointing",
     "device",
@@ -65,6 +66,7 @@ class LearnConfig:
     resume: bool = False
     overwrite: bool = False
     keep_checkpoint: bool = False
+    save_logits: bool = False  # also write the trained logits (mask_logits.safetensors) into the run folder
     fsdp: bool = False
     device: str = "auto"
     progress: bool = True

@@ -31,7 +31,8 @@ def logistic_noise(shape: torch.Size, seed: int, device: torch.device) -> torch.
     generator.manual_seed(seed)
     u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
     u.clamp_(UNIFORM_EPS, 1.0 - UNIFORM_EPS)
-    return u.log_() - torch.log1p(-u)
+    log_one_minus_u = torch.log1p(-u)
+    return u.log_().sub_(log_one_minus_u)
 
 
 def soft_mask(logits: torch.Tensor, alpha: float, tau: float, seed: int | None) -> torch.Tensor:
@@ -189,8 +190,8 @@ def init_logits(
 
 
 def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys with the same order as the float32 values (a total order; -0.0 just below +0.0)."""
-    bits = values.float().contiguous().view(torch.int32).long()
+    """int64 keys with the same order as the float32 values; -0.0 is first made +0.0 (they tie)."""
+    bits = (values.float() + 0.0).contiguous().view(torch.int32).long()
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers.utils import logging as transformers_logging
 
 from leapctl.data import calibration_batch, corpus_ids
 from leapctl.errors import LeapctlError
@@ -42,8 +44,8 @@ from leapctl.masks import MaskSet
 from leapctl.models import block_prefix, decoder_blocks, load_model, prunable_linears
 from leapctl.outdir import atomic_output_dir, check_output_dir
 
-CORPUS_FILE = "corpus.pt"
 METRICS_FILE = "metrics.jsonl"
+LOGITS_FILE = "mask_logits.safetensors"
 
 
 @dataclass
@@ -120,6 +122,7 @@ def learn_masks(config: LearnConfig) -> LearnResult:
     _barrier(distributed)
 
     # ---------------------------------------------------------------- model (frozen) and data
+    transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     np.random.seed(config.seed)
@@ -347,6 +350,8 @@ def learn_masks(config: LearnConfig) -> LearnResult:
             shutil.copy(metrics_path, tmp / METRICS_FILE)
             plot_density_per_block(block_density, config.density, tmp / "density_per_block.png")
             plot_losses(metrics, tmp / "loss.png")
+            if config.save_logits:
+                save_file({name: t.float().contiguous() for name, t in final.items()}, str(tmp / LOGITS_FILE))
         out = Path(config.out)
         if not config.keep_checkpoint:
             shutil.rmtree(state_dir, ignore_errors=True)

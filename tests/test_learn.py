@@ -1,0 +1,387 @@
+"""LEAP mask learning: the masked linear against plain autograd, exact hard masks, schedules, the
+regularisers, the window stream, a whole tiny run, and bad input."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from leapctl.errors import LeapctlError
+from leapctl.learn import LearnConfig, learn_masks
+from leapctl.learn.loss import regularisers
+from leapctl.learn.mask import (
+    MaskedLinearFunction,
+    MaskState,
+    attach_masks,
+    hard_masks,
+    logistic_noise,
+    noise_seed,
+    soft_mask,
+)
+from leapctl.learn.schedule import cosine_with_warmup, linear, magnitude_decay, mask_temperature
+from leapctl.learn.stream import WindowStream
+from leapctl.masks import load_masks
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster single-threaded on a shared 2-core machine; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- the masked linear
+
+
+def _reference(x, weight, bias, logits, alpha, tau, noise):
+    """The paper's formula written plainly with autograd, no custom backward."""
+    mask = torch.sigmoid((alpha * logits + noise) / tau)
+    masked = weight * mask
+    return x @ masked.t() + bias, mask.sum(), (masked**2).sum()
+
+
+@pytest.mark.parametrize("noisy", [True, False])
+def test_masked_linear_matches_plain_autograd(noisy):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.float32)
+    weight, bias = torch.randn(8, 16), torch.randn(8)
+    logits = (torch.randn(8, 16) * 0.05).requires_grad_(True)
+    alpha, tau, seed = 25.0, 4.0, 1234 if noisy else None
+    upstream, c_sum, c_norm = torch.randn(3, 5, 8), 0.3, -0.7
+
+    x1 = x.clone().requires_grad_(True)
+    y, s, n = MaskedLinearFunction.apply(x1, weight, bias, logits, alpha, tau, seed, torch.float32)
+    ((y * upstream).sum() + c_sum * s + c_norm * n).backward()
+    grad_logits, logits.grad = logits.grad.clone(), None
+
+    noise = logistic_noise(logits.shape, seed, logits.device) if noisy else torch.zeros(8, 16)
+    x2 = x.clone().requires_grad_(True)
+    y_ref, s_ref, n_ref = _reference(x2, weight, bias, logits, alpha, tau, noise)
+    ((y_ref * upstream).sum() + c_sum * s_ref + c_norm * n_ref).backward()
+
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(n, n_ref)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_logits, logits.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_masked_linear_keeps_no_full_size_copy_for_backward():
+    """Only x, W and P are saved for the backward: any weight-sized saved tensor must be W or P itself."""
+    weight, logits = torch.randn(32, 48), torch.zeros(32, 48, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _, _ = MaskedLinearFunction.apply(
+            torch.randn(4, 48), weight, None, logits, 25.0, 4.0, 7, torch.float32
+        )
+    big = [t for t in saved if t.numel() >= weight.numel()]
+    assert big and all(t.data_ptr() in (weight.data_ptr(), logits.data_ptr()) for t in big)
+
+
+def test_logistic_noise_is_reproducible_and_logistic():
+    a = logistic_noise(torch.Size([200_000]), 99, torch.device("cpu"))
+    assert torch.equal(a, logistic_noise(torch.Size([200_000]), 99, torch.device("cpu")))
+    assert not torch.equal(a, logistic_noise(torch.Size([200_000]), 100, torch.device("cpu")))
+    # standard logistic: mean 0, variance pi^2 / 3; CDF at 1 is sigmoid(1)
+    assert abs(a.mean().item()) < 0.02
+    assert abs(a.var().item() - math.pi**2 / 3) < 0.05
+    assert abs((a < 1).float().mean().item() - 1 / (1 + math.exp(-1))) < 0.005
+    seeds = {noise_seed(0, s, m, layer) for s in range(3) for m in range(3) for layer in range(3)}
+    assert len(seeds) == 27
+
+
+def test_soft_mask_without_noise_is_the_plain_sigmoid():
+    logits = torch.linspace(-1, 1, 11)
+    torch.testing.assert_close(soft_mask(logits, 25.0, 4.0, None), torch.sigmoid(25.0 * logits / 4.0))
+
+
+def test_checkpointed_block_gives_the_same_gradients(tiny_checkpoint):
+    """Gradient checkpointing recomputes the forward in the backward: the noise must come back identical."""
+    from leapctl.models import load_model, prunable_linears
+
+    grads = []
+    for checkpointing in (False, True):
+        model, _ = load_model(str(tiny_checkpoint("llama")))
+        model.requires_grad_(False)
+        linears = prunable_linears(model)
+        generator = torch.Generator().manual_seed(0)
+        logits = {
+            f"{n}.weight": torch.randn(lin.weight.shape, generator=generator) * 0.05
+            for n, lin in linears.items()
+        }
+        state = MaskState(run_seed=3)
+        masked = attach_masks(model, linears, logits, state)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+        state.start_micro_batch(step=0, micro_batch=0)
+        loss = (
+            model(input_ids=ids, labels=ids, use_cache=False).loss + torch.stack(state.mask_sums).sum() * 1e-4
+        )
+        state.recording = False
+        loss.backward()
+        assert len(state.mask_sums) == len(linears)  # recomputation did not record twice
+        grads.append(torch.cat([layer.mask_logits.grad.flatten() for layer in masked.values()]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+
+
+# ---------------------------------------------------------------- hard masks
+
+
+def _naive_global(logits: dict, density: float) -> dict:
+    """Stable sort of every logit (ties: earlier layer, lower index first), keep the first k."""
+    flat = torch.cat([p.flatten() for p in logits.values()])
+    k = round(density * flat.numel())
+    order = torch.sort(-flat, stable=True).indices[:k]
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    keep[order] = True
+    out, start = {}, 0
+    for name, p in logits.items():
+        out[name] = keep[start : start + p.numel()].view_as(p)
+        start += p.numel()
+    return out
+
+
+@pytest.mark.parametrize("density", [0.5, 0.4, 0.123])
+def test_global_hard_mask_is_exact_top_k(density):
+    generator = torch.Generator().manual_seed(0)
+    logits = {
+        "a": torch.randn(16, 24, generator=generator),
+        "b": torch.randn(8, 40, generator=generator) * 3,
+        # many exact ties, and both signs of zero
+        "c": torch.tensor([[3.0, -3.0, 0.0, -0.0] * 10] * 6),
+    }
+    got = hard_masks(logits, density, "global")
+    want = _naive_global(logits, density)
+    total = sum(p.numel() for p in logits.values())
+    assert sum(int(m.sum()) for m in got.values()) == round(density * total)
+    for name in logits:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_per_layer_and_positive_hard_masks():
+    generator = torch.Generator().manual_seed(1)
+    logits = {"a": torch.randn(10, 30, generator=generator), "b": torch.randn(7, 11, generator=generator)}
+    per_layer = hard_masks(logits, 0.6, "per-layer")
+    for name, p in logits.items():
+        assert int(per_layer[name].sum()) == round(0.6 * p.numel())
+        kept_min = p[per_layer[name]].min()
+        assert kept_min >= p[~per_layer[name]].max()
+    positive = hard_masks(logits, 0.6, "positive")
+    assert all(torch.equal(positive[n], logits[n] > 0) for n in logits)
+
+
+# ---------------------------------------------------------------- schedules and regularisers
+
+
+def test_schedules():
+    assert linear(25, 350, 0, 100) == 25 and linear(25, 350, 99, 100) == 350
+    assert mask_temperature(0, 10, (25, 350), (4, 0.05)) == (25, 4)
+    alpha, tau = mask_temperature(9, 10, (25, 350), (4, 0.05))
+    assert alpha == 350 and math.isclose(tau, 0.05)
+    assert mask_temperature(9, 10, (25, 350), (4, 0.05), fixed_alpha=True, fixed_tau=True) == (25, 4)
+    assert magnitude_decay(0, 10) == 1.0 and magnitude_decay(5, 10) == 0.5
+    factor = cosine_with_warmup(5, 105)
+    assert [factor(s) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert math.isclose(factor(55), 0.5) and math.isclose(factor(105), 0.0, abs_tol=1e-12)
+
+
+def test_regularisers_match_the_formula():
+    generator = torch.Generator().manual_seed(0)
+    masks = [torch.rand(4, 6, generator=generator), torch.rand(3, 5, generator=generator)]
+    weights = [torch.randn(4, 6, generator=generator), torch.randn(3, 5, generator=generator)]
+    terms = regularisers(
+        [m.sum() for m in masks],
+        [((m * w) ** 2).sum() for m, w in zip(masks, weights, strict=True)],
+        total_weights=39,
+        dense_norm_sum=sum(float(w.norm()) for w in weights),
+        rho=0.5,
+        lambda1=7.0,
+        lambda2=10.0,
+        magnitude_decay=0.25,
+    )
+    density = (masks[0].sum() + masks[1].sum()) / 39
+    ratio = sum((m * w).norm() for m, w in zip(masks, weights, strict=True)) / sum(w.norm() for w in weights)
+    torch.testing.assert_close(terms.density, density)
+    torch.testing.assert_close(terms.density_penalty, 7.0 * (density - 0.5).abs())
+    torch.testing.assert_close(terms.magnitude_penalty, -10.0 * 0.25 * ratio)
+
+
+# ---------------------------------------------------------------- the window stream
+
+
+def test_stream_gives_fresh_windows_then_wraps_and_resumes_from_its_position():
+    ids = torch.arange(100)
+    stream = WindowStream(ids, seq_len=10, batch_size=3, seed=0)
+    seen = []
+    for _ in range(3):
+        seen += [int(row[0]) // 10 for row in stream.peek(0, 3)]
+        stream.advance(3)
+    assert len(set(seen)) == 9  # nine distinct windows of the ten before any repeat
+    later = stream.peek(0, 6)  # crosses into the second epoch
+    assert len({int(r[0]) for r in later[1:]}) == 5
+    again = WindowStream(ids, seq_len=10, batch_size=3, seed=0, position=9)
+    assert torch.equal(again.peek(0, 6), later)
+    with pytest.raises(LeapctlError, match="too small"):
+        WindowStream(torch.arange(25), seq_len=10, batch_size=3, seed=0)
+
+
+# ---------------------------------------------------------------- whole runs
+
+
+def _config(model_dir: Path, calib: Path, out: Path, **overrides) -> LearnConfig:
+    settings = dict(
+        model=str(model_dir),
+        out=out,
+        sparsity=0.5,
+        calib=str(calib),
+        nsamples=4,
+        steps=4,
+        batch_size=4,
+        micro_batch_size=2,
+        seq_len=32,
+        lr=0.05,
+        init="wanda-small",
+        progress=False,
+        checkpoint_every=2,
+    )
+    settings.update(overrides)
+    return LearnConfig(**settings)
+
+
+@pytest.fixture
+def calib_file(tmp_path, tinystories_text) -> Path:
+    path = tmp_path / "calib.txt"
+    path.write_text(tinystories_text)
+    return path
+
+
+def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, calib_file, tmp_path):
+    out = tmp_path / "run"
+    result = learn_masks(_config(stories260k_dir, calib_file, out, sparsity=0.6, save_logits=True))
+    assert result.out == out and result.interrupted_by == 0
+    masks = load_masks(out / "masks.safetensors")
+    total = sum(m.numel() for m in masks.masks.values())
+    kept = sum(int(m.sum()) for m in masks.masks.values())
+    assert kept == round(0.4 * total)
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "leap" and report["achieved_sparsity"]["global"] == pytest.approx(
+        1 - kept / total
+    )
+    assert report["peak_memory"]["process_max_rss_bytes"] > 0 and len(report["density_per_block"]) == 5
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    for png in ("density_per_block.png", "loss.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # the checkpoint's weights are the dense weights times the mask
+    from safetensors.torch import load_file
+
+    saved = load_file(out / "model.safetensors")
+    dense = load_file(stories260k_dir / "model.safetensors")
+    for name, keep in masks.masks.items():
+        torch.testing.assert_close(saved[name], dense[name] * keep)
+    # the hard mask is the global top-k of the saved logits
+    logits = load_file(out / "mask_logits.safetensors")
+    assert all(torch.equal(hard_masks(logits, 0.4)[n], masks.masks[n]) for n in masks.masks)
+    assert not result.state_dir.exists()
+
+
+def test_learn_moves_the_mask_away_from_wanda(stories260k_dir, calib_file, tmp_path):
+    """The logits do learn: with the authors' small-logit init a few steps already change the mask."""
+    from leapctl.data import calibration_batch
+    from leapctl.models import load_model
+    from leapctl.prune.wanda import wanda_masks
+
+    config = _config(stories260k_dir, calib_file, tmp_path / "run", steps=6, lr=0.1)
+    learn_masks(config)
+    learned = load_masks(tmp_path / "run" / "masks.safetensors").masks
+    model, tokenizer = load_model(str(stories260k_dir))
+    calib = calibration_batch(str(calib_file), tokenizer, 4, 32, 0)
+    wanda = wanda_masks(model, calib, 0.5, in_place=False, progress=False).masks
+    changed = sum(int((learned[n] != wanda[n]).sum()) for n in wanda)
+    assert changed > 0
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "leapctl", "learn", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"sparsity": 1.0}, "--sparsity must be in (0, 1)"),
+        ({"sparsity": -0.1}, "--sparsity must be in (0, 1)"),
+        ({"steps": 0}, "--steps must be at least 1"),
+        ({"batch_size": 6, "micro_batch_size": 4}, "--micro-batch-size 4 must divide"),
+        ({"init": "zeros"}, "--init must be one of"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(tmp_path, overrides, expected):
+    config = _config(tmp_path / "no-model", tmp_path / "no-calib", tmp_path / "o", **overrides)
+    with pytest.raises(LeapctlError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        learn_masks(config)
+    assert not (tmp_path / "o").exists() and not config.state_dir().exists()
+
+
+def test_calibration_too_small_for_one_batch(stories260k_dir, tmp_path):
+    (tmp_path / "small.txt").write_text("Once upon a time there was a cat.")
+    config = _config(stories260k_dir, tmp_path / "small.txt", tmp_path / "o", batch_size=8, seq_len=64)
+    with pytest.raises(LeapctlError, match="fewer than"):
+        learn_masks(config)
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_refuses_other_settings_and_leaves_the_checkpoint(stories260k_dir, calib_file, tmp_path):
+    from leapctl.learn.checkpoint import save_checkpoint
+
+    out = tmp_path / "run"
+    config = _config(stories260k_dir, calib_file, out)
+    state = config.state_dir()
+    save_checkpoint(state, {"fingerprint": config.fingerprint(), "step": 2})
+    before = (state / "checkpoint.pt").read_bytes()
+    with pytest.raises(LeapctlError, match="pass --resume"):
+        learn_masks(config)
+    with pytest.raises(LeapctlError, match="other settings.*model"):
+        learn_masks(_config(calib_file.parent, calib_file, out, resume=True))
+    with pytest.raises(LeapctlError, match="no checkpoint"):
+        learn_masks(_config(stories260k_dir, calib_file, out, resume=True, checkpoint_dir=tmp_path / "none"))
+    # through the CLI: exit status 2 and one line
+    proc = subprocess.run(
+        [sys.executable, "-m", "leapctl", "learn", str(stories260k_dir), "--out", str(out), "--calib",
+         str(calib_file), "--steps", "4", "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", "32",
+         "--lr", "0.05", "--nsamples", "4", "--init", "wanda-small", "--sparsity", "0.6", "--resume"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --resume: the checkpoint at {state / 'checkpoint.pt'} was made with other settings "
+        "(sparsity 0.5 -> 0.6); rerun with the same settings or use --overwrite"
+    ]
+    assert (state / "checkpoint.pt").read_bytes() == before

@@ -1,3 +1,47 @@
-"""`leapctl validate`."""
+"""`leapctl validate`: check an export's files, layers, serving op and end-to-end outputs against its
+source."""
 
-from leapctl.cli import app  # noqa: F401
+from pathlib import Path
+
+import typer
+
+from leapctl.cli import app
+
+
+@app.command()
+def validate(
+    export_dir: Path = typer.Argument(..., help="Folder written by `leapctl export`."),
+    reference: str | None = typer.Option(None, "--reference",
+                                         help="Run folder or model to compare with (default: the source "
+                                              "recorded in manifest.json)."),
+    max_new_tokens: int = typer.Option(12, "--max-new-tokens", help="Greedy tokens generated per prompt."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="One row per check instead of a summary."),
+) -> None:
+    """Validate EXPORT_DIR; exit status 1 if any check fails (the table names the file or tensor)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from leapctl.validate import validate as run_validate
+
+    console = Console()
+    with console.status(f"validating {export_dir}"):
+        report = run_validate(export_dir, reference=reference, max_new_tokens=max_new_tokens)
+    table = Table(title=f"{export_dir} ({report.fmt})")
+    for column in ("check", "target", "result", "detail"):
+        table.add_column(column, overflow="fold")
+    kinds = list(dict.fromkeys(c.kind for c in report.checks))
+    for kind in kinds:
+        checks = [c for c in report.checks if c.kind == kind]
+        passed = [c for c in checks if c.ok]
+        for check in checks:
+            if verbose or not check.ok:
+                result = {False: "[red]FAIL[/red]", True: "[green]ok[/green]", None: "skip"}[check.ok]
+                table.add_row(kind, check.target, result, check.detail)
+        if passed and not verbose:
+            target = passed[0].target if len(passed) == 1 else f"{len(passed)} of {len(checks)}"
+            table.add_row(kind, target, "[green]ok[/green]", passed[0].detail if len(passed) == 1 else "")
+    console.print(table)
+    if report.failures:
+        console.print(f"[red]{len(report.failures)} check(s) failed[/red]")
+        raise typer.Exit(1)
+    console.print("[green]all checks passed[/green]")

@@ -111,6 +111,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
             raise LeapctlError(f"cannot read {gguf_path.name}: "
                                f"{text.splitlines()[0] if text else type(exc).__name__}") from None
         config = loaded.config
+        del config.quantization_config  # left in, it would make every later load a "GGUF" model again
         config.dtype = torch.float32
         _set_special_tokens(config, tokenizer)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

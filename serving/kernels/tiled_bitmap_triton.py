@@ -1,28 +1,27 @@
 """y = x W^T (+ b) with W in the `tiled-bitmap` format (layout: `sparse_formats/tiled_bitmap.py`), in Triton.
 
 Why it can beat cuBLAS: decode (M = 1..16 tokens) is memory-bound, and a 50%-sparse fp16 weight in this
-format is 1.127 bytes per weight instead of 2. Every program therefore reads each byte of its weight
-groups exactly once and does the expansion in registers:
+format is 1.127 bytes per weight instead of 2. Every program reads each byte of its weight groups once
+and expands them in registers:
 
-- A program owns one 64-row group of output features, a block of BLOCK_M tokens and a contiguous range
-  of 64-column groups (split-K when there are too few row groups to fill the GPU; partial sums go to an
-  fp32 buffer [split, M, N] that torch adds up, deterministic and CUDA-graph safe).
-- Per group it loads the 64 bitmap words (512 contiguous bytes), splits each word into two 32-bit halves
-  and extracts a [64, 64] bit tile. The index of every kept value inside the group's contiguous value
-  slice is an exclusive cumsum along the row plus an exclusive cumsum of the row counts down the group,
-  so no popcount per weight and no per-row offsets on disk. The values are then a masked gather from
-  a slice of at most 8 KiB: each sector comes from DRAM once and is served from L1.
-- Compute on the dense [64, 64] tile in registers: for M <= 4 a broadcast multiply and a row
-  reduction on the CUDA cores (fp32), for larger M `tl.dot` on the tensor cores with fp32 accumulation
-  ("load as sparse, compute as dense"; M is padded to 16 with masked rows).
-- Beyond `SPARSE_KERNEL_MAX_M` tokens (prefill), where the GEMM is compute-bound and re-expanding the
-  tiles for every block of 128 tokens would cost more than it saves, `tiled_bitmap_linear` expands the
-  weight once per call into a dense buffer with the same group expansion (`tiled_bitmap_decode`) and
-  hands it to cuBLAS. `bench/kernels.py` measures both paths against dense at every M, which is what
-  sets that threshold.
+- A program owns one 64-row group of output features, a block of tokens and a contiguous range of
+  64-column groups (split-K: enough programs for several per SM, so that memory latency hides behind
+  other programs). The last split of an output tile to finish adds the fp32 partial sums of all splits
+  (a ticket counter per tile, reset by that program), so a call is one kernel launch, CUDA-graph safe.
+- Expansion: the group's 64 bitmap words (512 contiguous bytes) become [64 rows, 8 bytes]. A value's
+  index inside the group's contiguous value slice is (values in earlier rows) + (in earlier bytes of
+  its row) + (in earlier bits of its byte). The first two are scans over 64 and 8 entries per group;
+  the last is a running sum over the eight bit planes, unrolled, one add per weight. Each plane is then
+  a masked gather from a slice of at most 8 KiB, whose sectors come from DRAM once and then from L1.
+- M = 1: the eight planes multiply strided slices of x on the CUDA cores, fp32, accumulated per byte;
+  one reduction after the loop. M > 1: `tl.join` puts the planes side by side (column 8b + j) into a
+  dense [64, 64] tile for `tl.dot` on the tensor cores, fp32 accumulation, M padded to 16.
+- Beyond `SPARSE_KERNEL_MAX_M` tokens (prefill, compute-bound) the weight is expanded once per call
+  into a dense buffer by the same group expansion (`tiled_bitmap_decode`) and multiplied by cuBLAS;
+  `bench/kernels.py` measures both paths against dense at every M, which is what sets that threshold.
 
 On CPU tensors without `TRITON_INTERPRET=1` (no Triton backend there) the same function decodes with the
-format's torch/numpy decoder and calls `torch.nn.functional.linear`, so callers need no device check.
+format's decoder and calls `torch.nn.functional.linear`, so callers need no device check.
 `tensors["shape"]` must stay a CPU tensor (the encoder makes it one): reading it must not sync the GPU.
 """
 
@@ -37,56 +36,129 @@ from sparse_formats.tiled_bitmap import GROUP, TiledBitmapFormat
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Up to this many tokens the sparse kernel runs; above it, expand to dense once and use cuBLAS.
 SPARSE_KERNEL_MAX_M = 128
-_FMA_MAX_M = 4
+
+
+@triton.jit
+def _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP: tl.constexpr):
+    """A group's bitmap as [rows, 8] bytes (byte b = columns 8b .. 8b+7), the index of each byte's first
+    kept value inside the group, and a pointer to the group's first value."""
+    rows = tl.arange(0, GROUP)
+    byte_index = tl.arange(0, GROUP // 8)
+    words = tl.load(bitmap_ptr + group * GROUP + rows)  # int64, one word per row of the group
+    low = words.to(tl.int32)
+    high = (words >> 32).to(tl.int32)
+    half = tl.where(byte_index[None, :] < 4, low[:, None], high[:, None])
+    byte = (half >> ((byte_index[None, :] & 3) * 8)) & 0xFF
+    count = byte - ((byte >> 1) & 0x55)  # popcount of a byte, SWAR (no popc in the interpreter)
+    count = (count & 0x33) + ((count >> 2) & 0x33)
+    count = (count + (count >> 4)) & 0x0F
+    before_byte = tl.cumsum(count, axis=1) - count
+    per_row = tl.sum(count, axis=1)
+    before_row = tl.cumsum(per_row, axis=0) - per_row
+    start = tl.load(offsets_ptr + group)
+    return byte, before_row[:, None] + before_byte, values_ptr + start
+
+
+@triton.jit
+def _plane(group_values, position, byte, J: tl.constexpr):
+    """Bit J of every byte (column 8b + J): its value (0 where pruned) and the positions advanced past it."""
+    bit = (byte >> J) & 1
+    return tl.load(group_values + position, mask=bit != 0, other=0.0), position + bit
 
 
 @triton.jit
 def _expand_group(bitmap_ptr, values_ptr, offsets_ptr, group, GROUP: tl.constexpr):
-    """The dense [GROUP rows, GROUP cols] tile of one group, in the values' dtype, zeros where pruned."""
-    lanes = tl.arange(0, GROUP)
-    words = tl.load(bitmap_ptr + group * GROUP + lanes)  # int64, one word per row of the group
-    low = words.to(tl.int32)
-    high = (words >> 32).to(tl.int32)
-    word = tl.where(lanes[None, :] < 32, low[:, None], high[:, None])
-    bits = (word >> (lanes[None, :] & 31)) & 1
-    before_in_row = tl.cumsum(bits, axis=1) - bits
-    per_row = tl.sum(bits, axis=1)
-    before_row = tl.cumsum(per_row, axis=0) - per_row
-    start = tl.load(offsets_ptr + group)
-    return tl.load(values_ptr + start + (before_row[:, None] + before_in_row), mask=bits != 0, other=0.0)
+    """The dense [GROUP rows, GROUP cols] tile of one group in the values' dtype, zeros where pruned."""
+    byte, position, group_values = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP)
+    w0, position = _plane(group_values, position, byte, 0)
+    w1, position = _plane(group_values, position, byte, 1)
+    w2, position = _plane(group_values, position, byte, 2)
+    w3, position = _plane(group_values, position, byte, 3)
+    w4, position = _plane(group_values, position, byte, 4)
+    w5, position = _plane(group_values, position, byte, 5)
+    w6, position = _plane(group_values, position, byte, 6)
+    w7, position = _plane(group_values, position, byte, 7)
+    # w{j}[r, b] is column 8b + j; join so that the three new axes spell j in binary, high bit first.
+    tile = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+    return tl.reshape(tile, (GROUP, GROUP))
 
 
 @triton.jit
-def _tiled_bitmap_mm_kernel(x_ptr, bitmap_ptr, values_ptr, offsets_ptr, bias_ptr, out_ptr,
-                            M, N, K, col_groups, groups_per_split, stride_xm, stride_om, stride_split,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, GROUP: tl.constexpr):
+def _finish(acc, ms, ns, M, N, bias_ptr, out_ptr, stride_om, partial_ptr, ticket_ptr, split, n_splits,
+            HAS_BIAS: tl.constexpr):
+    """Write acc [BLOCK_M, GROUP] (fp32). With split-K, each program stores its partial sums, and the
+    last of the splits of this output tile to take a ticket adds them up, so no second kernel runs;
+    it also resets the ticket counter to 0 for the next call."""
+    mask = (ms[:, None] < M) & (ns[None, :] < N)
+    out = out_ptr + ms[:, None] * stride_om + ns[None, :]
+    if n_splits > 1:
+        tile = ms[:, None] * N + ns[None, :]
+        tl.store(partial_ptr + split * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums are written before the ticket is taken
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            acc = tl.load(partial_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            for other in range(1, n_splits):
+                acc += tl.load(partial_ptr + other * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(ticket_ptr, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tiled_bitmap_gemv_kernel(x_ptr, bitmap_ptr, values_ptr, offsets_ptr, bias_ptr, out_ptr, partial_ptr,
+                              ticket_ptr, N, K, col_groups, groups_per_split, n_splits,
+                              HAS_BIAS: tl.constexpr, GROUP: tl.constexpr):
+    """One token: the eight bit planes of each group multiply strided slices of x directly (CUDA cores,
+    fp32), summed per byte across groups; the sum over bytes happens once, after the loop."""
+    row_group = tl.program_id(0)
+    split = tl.program_id(1)
+    byte_index = tl.arange(0, GROUP // 8)
+    acc = tl.zeros((GROUP, GROUP // 8), dtype=tl.float32)
+    first = split * groups_per_split
+    for col_group in range(first, tl.minimum(first + groups_per_split, col_groups)):
+        byte, position, group_values = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr,
+                                                    row_group * col_groups + col_group, GROUP)
+        ks = col_group * GROUP + byte_index * 8
+        for j in tl.static_range(8):
+            w, position = _plane(group_values, position, byte, j)
+            x = tl.load(x_ptr + ks + j, mask=ks + j < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    ns = row_group * GROUP + tl.arange(0, GROUP)
+    _finish(tl.sum(acc, axis=1)[None, :], tl.arange(0, 1), ns, 1, N, bias_ptr, out_ptr, 0, partial_ptr,
+            ticket_ptr + row_group, split, n_splits, HAS_BIAS)
+
+
+@triton.jit
+def _tiled_bitmap_mm_kernel(x_ptr, bitmap_ptr, values_ptr, offsets_ptr, bias_ptr, out_ptr, partial_ptr,
+                            ticket_ptr, M, N, K, col_groups, groups_per_split, n_splits, stride_xm, stride_om,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            DOT_IN_FP32: tl.constexpr, GROUP: tl.constexpr):
+    """Several tokens: expand each group to a dense tile in registers and multiply on the tensor cores."""
     row_group = tl.program_id(0)
     m_block = tl.program_id(1)
     split = tl.program_id(2)
     lanes = tl.arange(0, GROUP)
     ms = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = ms < M
     acc = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
     first = split * groups_per_split
-    last = tl.minimum(first + groups_per_split, col_groups)
-    for col_group in range(first, last):
+    for col_group in range(first, tl.minimum(first + groups_per_split, col_groups)):
         w = _expand_group(bitmap_ptr, values_ptr, offsets_ptr, row_group * col_groups + col_group, GROUP)
         ks = col_group * GROUP + lanes
-        x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K),
+        x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=(ms[:, None] < M) & (ks[None, :] < K),
                     other=0.0)
-        if USE_DOT and DOT_IN_FP32:
+        if DOT_IN_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif USE_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     ns = row_group * GROUP + lanes
-    n_ok = ns < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + split * stride_split + ms[:, None] * stride_om + ns[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    ticket = ticket_ptr + row_group * tl.num_programs(1) + m_block
+    _finish(acc, ms, ns, M, N, bias_ptr, out_ptr, stride_om, partial_ptr, ticket, split, n_splits, HAS_BIAS)
 
 
 @triton.jit
@@ -130,17 +202,39 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: a few splits, so that tests cover split-K
 
 
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Split-K ticket counters, zero between calls (the last split of each tile resets its own).
+
+    Kept per device and reused, so that a call allocates and clears nothing; calls on one device must
+    therefore not run concurrently on different streams. Warm up before CUDA-graph capture so that the
+    counters are not allocated inside a graph's private pool."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
+
+
 def _block_m(m: int) -> int:
-    if m <= _FMA_MAX_M:
-        return triton.next_power_of_2(max(m, 1))
-    return min(max(16, triton.next_power_of_2(m)), 128)
+    return 1 if m == 1 else min(max(16, triton.next_power_of_2(m)), 128)
+
+
+def _split_k(col_groups: int, tiles: int, device: torch.device) -> int:
+    """Enough programs to keep every SM busy with several (memory latency hides behind other programs),
+    but at least two column groups per program."""
+    wanted = triton.cdiv(8 * _sm_count(device), max(tiles, 1))
+    return max(1, min(wanted, col_groups // 2))
 
 
 def tiled_bitmap_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
-                        *, block_m: int | None = None, split_k: int | None = None) -> torch.Tensor:
+                        *, block_m: int | None = None, split_k: int | None = None,
+                        num_warps: int | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for x [..., K] and W [N, K] in `tiled-bitmap`; y [..., N] in x's dtype.
 
-    `block_m` and `split_k` override the launch heuristics (tests and benchmark sweeps use them)."""
+    The keyword-only arguments override the launch heuristics (tests and benchmark sweeps use them)."""
     rows, cols = _shape(tensors)
     values = tensors["values"]
     if x.shape[-1] != cols:
@@ -151,8 +245,7 @@ def tiled_bitmap_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], bias:
     x2 = x.reshape(-1, cols)
     m = x2.shape[0]
     if not _on_triton(x2) or (m > SPARSE_KERNEL_MAX_M and block_m is None):
-        weight = tiled_bitmap_decode(tensors)
-        return torch.nn.functional.linear(x, weight, bias)
+        return torch.nn.functional.linear(x, tiled_bitmap_decode(tensors), bias)
     if m == 0 or rows == 0 or values.numel() == 0:  # nothing to multiply (and no empty tensors to launch on)
         y = x2.new_zeros(m, rows)
         return (y if bias is None else y + bias).reshape(*lead, rows)
@@ -161,34 +254,27 @@ def tiled_bitmap_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], bias:
     row_groups, col_groups = tensors["bitmap"].shape[:2]
     block = block_m or _block_m(m)
     m_blocks = triton.cdiv(m, block)
-    if split_k is None:
-        wanted = 2 * _sm_count(x2.device)
-        split_k = max(1, min(col_groups, triton.cdiv(wanted, max(row_groups * m_blocks, 1))))
-    groups_per_split = triton.cdiv(max(col_groups, 1), max(split_k, 1))
-    split_k = max(1, triton.cdiv(col_groups, groups_per_split))
-    use_dot = block > _FMA_MAX_M
-    # numpy has no bf16: the interpreter's dot would multiply the raw bit patterns, so upcast there.
-    dot_in_fp32 = _INTERPRET and x.dtype == torch.bfloat16
-    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    common = dict(BLOCK_M=block, USE_DOT=use_dot, DOT_PRECISION=dot_precision, DOT_IN_FP32=dot_in_fp32,
-                  GROUP=GROUP, num_warps=8 if block >= 4 else 4)
-    grid = (row_groups, m_blocks, split_k)
-    if split_k == 1:
-        y = torch.empty(m, rows, dtype=x.dtype, device=x.device)
-        _tiled_bitmap_mm_kernel[grid](
-            x2, tensors["bitmap"], values, tensors["group_offsets"], bias if bias is not None else y, y,
-            m, rows, cols, col_groups, groups_per_split, x2.stride(0), y.stride(0), 0,
-            HAS_BIAS=bias is not None, **common)
-        return y.reshape(*lead, rows)
-    partial = torch.empty(split_k, m, rows, dtype=torch.float32, device=x.device)
-    _tiled_bitmap_mm_kernel[grid](
-        x2, tensors["bitmap"], values, tensors["group_offsets"], partial, partial,
-        m, rows, cols, col_groups, groups_per_split, x2.stride(0), partial.stride(1), partial.stride(0),
-        HAS_BIAS=False, **common)
-    y = partial.sum(dim=0)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype).reshape(*lead, rows)
+    splits = split_k or _split_k(col_groups, row_groups * m_blocks, x2.device)
+    groups_per_split = triton.cdiv(col_groups, splits)
+    splits = triton.cdiv(col_groups, groups_per_split)
+    y = torch.empty(m, rows, dtype=x.dtype, device=x.device)
+    partial = torch.empty(splits if splits > 1 else 0, m, rows, dtype=torch.float32, device=x.device)
+    tickets = _tickets(x2.device, row_groups * m_blocks)
+    operands = (x2, tensors["bitmap"], values, tensors["group_offsets"], y if bias is None else bias, y,
+                partial, tickets)
+    if block == 1:
+        _tiled_bitmap_gemv_kernel[(row_groups, splits)](
+            *operands, rows, cols, col_groups, groups_per_split, splits, HAS_BIAS=bias is not None,
+            GROUP=GROUP, num_warps=num_warps or 4)
+    else:
+        # numpy has no bf16: the interpreter's dot would multiply the raw bit patterns, so upcast there.
+        _tiled_bitmap_mm_kernel[(row_groups, m_blocks, splits)](
+            *operands, m, rows, cols, col_groups, groups_per_split, splits, x2.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_IN_FP32=_INTERPRET and x.dtype == torch.bfloat16, GROUP=GROUP,
+            num_warps=num_warps or (8 if block >= 64 else 4))
+    return y.reshape(*lead, rows)
 
 
 __all__ = ["SPARSE_KERNEL_MAX_M", "tiled_bitmap_decode", "tiled_bitmap_linear"]

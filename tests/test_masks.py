@@ -150,19 +150,19 @@ def test_cli_apply_mask(tiny_checkpoint, tiny_masks, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "global sparsity" in done.stdout
     assert (out / "model.safetensors").is_file() and (out / "masks.safetensors").is_file()
-    again = run_cli("apply-mask", str(tiny_checkpoint("llama")), str(tiny_masks[0]), "--out", str(out))
-    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0
-    assert again.stderr.startswith("error: ") and "--overwrite" in again.stderr
 
 
 def test_cli_bad_inputs_are_one_line(tiny_checkpoint, tiny_masks, tmp_path):
-    missing = run_cli("apply-mask", str(tiny_checkpoint("llama")), str(tmp_path / "nope.safetensors"),
-                      "--out", str(tmp_path / "a"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("not ours to replace")
+    exists = run_cli("apply-mask", str(tiny_checkpoint("llama")), str(tiny_masks[0]),
+                     "--out", str(tmp_path / "taken"))
     offline = run_cli("apply-mask", "leapctl-tests/no-such-model", str(tiny_masks[0]),
                       "--out", str(tmp_path / "b"), env={"HF_HUB_OFFLINE": "1"})
-    expected = ((missing, "does not exist"), (offline, "could not fetch 'leapctl-tests/no-such-model'"))
+    expected = ((exists, "use --overwrite"), (offline, "could not fetch 'leapctl-tests/no-such-model'"))
     for done, words in expected:
         assert done.returncode == 2
         assert done.stderr.startswith("error: ") and done.stderr.strip().count("\n") == 0, done.stderr
         assert words in done.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]

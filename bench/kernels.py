@@ -35,6 +35,7 @@ SHAPES = {  # [n, k] = [out_features, in_features]
     "Llama-3.2-1B": [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)],
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
+PREFILL_TOKENS = [256, 1024, 4096]  # at 50% only: where the dispatcher's dense fallback takes over
 SPARSITIES = [0.5, 0.6, 0.7]
 ROTATION_BYTES = 400 * 2**20  # weights cycled per graph; the H100/H200 L2 is 50-60 MB
 PEAK_TBPS = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35)]  # first match wins
@@ -113,17 +114,22 @@ def check(dense: torch.Tensor, tensors: dict, dtype: torch.dtype, label: str) ->
 
 def measure(m: int, dense: torch.Tensor, dense_copies: list, sparse_copies: list, sparse_bytes: int,
             peak: float) -> dict:
-    """One row: dense cuBLAS, the sparse kernel and (M >= 16) expand-to-dense + cuBLAS, same x."""
-    from serving.kernels.tiled_bitmap_triton import tiled_bitmap_decode, tiled_bitmap_linear
+    """One row: dense cuBLAS, the dispatcher (`sparse_us`), expand-to-dense + cuBLAS (M >= 16) and,
+    above the dispatcher's threshold, the sparse kernel forced (`kernel_us`), all on the same x."""
+    from serving.kernels import tiled_bitmap_triton as kernels
 
     n, k = dense.shape
     x = torch.randn(m, k, device="cuda").to(dense.dtype)
     dense_us = time_per_call([partial(torch.matmul, x, w.T) for w in dense_copies])
-    sparse_us = time_per_call([partial(tiled_bitmap_linear, x, t) for t in sparse_copies])
+    sparse_us = time_per_call([partial(kernels.tiled_bitmap_linear, x, t) for t in sparse_copies])
     fallback_us = None
     if m >= 16:
-        fallback_us = time_per_call([lambda t=t: torch.matmul(x, tiled_bitmap_decode(t).T)
+        fallback_us = time_per_call([lambda t=t: torch.matmul(x, kernels.tiled_bitmap_decode(t).T)
                                      for t in sparse_copies])
+    kernel_us = sparse_us
+    if m > kernels.SPARSE_KERNEL_MAX_M:
+        forced = partial(kernels.tiled_bitmap_linear, block_m=128)
+        kernel_us = time_per_call([partial(forced, x, t) for t in sparse_copies])
     io_bytes = (m * k + m * n) * dense.element_size()
     dense_bytes = dense.numel() * dense.element_size()
     return {"m": m, "dense_us": round(dense_us, 2), "sparse_us": round(sparse_us, 2),
@@ -131,6 +137,7 @@ def measure(m: int, dense: torch.Tensor, dense_copies: list, sparse_copies: list
             "bandwidth_fraction": round((sparse_bytes + io_bytes) / (sparse_us * 1e-6) / peak, 3),
             "dense_bandwidth_fraction": round((dense_bytes + io_bytes) / (dense_us * 1e-6) / peak, 3),
             "fallback_us": None if fallback_us is None else round(fallback_us, 2),
+            "kernel_us": round(kernel_us, 2),
             "sparse_bytes_per_weight": round(sparse_bytes / dense.numel(), 4)}
 
 
@@ -169,7 +176,7 @@ def main() -> None:
         dense_copies = [dense.clone() for _ in range(copies)]
         sparse_copies = [{name: (t if name == "shape" else t.clone()) for name, t in tensors.items()}
                          for _ in range(copies)]
-        for m in TOKENS:
+        for m in TOKENS + (PREFILL_TOKENS if sparsity == 0.5 else []):
             rows.append(measure(m, dense, dense_copies, sparse_copies, sparse_bytes, peak) | {
                 "device": device, "model": model, "shape": [n, k], "sparsity": sparsity, "dtype": args.dtype})
         if sparsity == 0.5:
@@ -183,23 +190,32 @@ def main() -> None:
         del dense_copies, sparse_copies
         torch.cuda.empty_cache()
         last = [r for r in rows if r["shape"] == [n, k] and r["sparsity"] == sparsity]
-        print(f"[{index}/{total}] {label}: speedup at M=1,16,128 "
+        print(f"[{index}/{total}] {label}: speed-up at M=1, 16, 128: "
               f"{last[0]['speedup']}, {last[4]['speedup']}, {last[7]['speedup']}", flush=True)
     write_results(rows, sweep, device, args.out)
 
 
 def write_results(rows: list[dict], sweep: list[dict], device: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"kernels_{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-')}_{datetime.date.today().isoformat()}"
+    device_slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-")
+    stem = f"kernels_{device_slug}_{datetime.date.today().isoformat()}"
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{stem}_splits.json").write_text(json.dumps(sweep, indent=1))
-    print(f"| shape | sparsity | {' | '.join(f'M={m}' for m in TOKENS)} |")
-    print(f"|---|---|{'---|' * len(TOKENS)}")
+    tokens = sorted({r["m"] for r in rows})
+    print("speed-up over cuBLAS (fraction of peak bandwidth the sparse call reaches)")
+    print(f"| shape | sparsity | {' | '.join(f'M={m}' for m in tokens)} |")
+    print(f"|---|---|{'---|' * len(tokens)}")
     for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
         for sparsity in dict.fromkeys(r["sparsity"] for r in rows):
-            cells = [r for r in rows if tuple(r["shape"]) == shape and r["sparsity"] == sparsity]
-            print(f"| {shape[0]}x{shape[1]} | {int(sparsity * 100)}% | "
-                  + " | ".join(f"{r['speedup']:.2f}x ({r['bandwidth_fraction']:.0%})" for r in cells) + " |")
+            cells = {r["m"]: r for r in rows if tuple(r["shape"]) == shape and r["sparsity"] == sparsity}
+            print(f"| {shape[0]}x{shape[1]} | {int(sparsity * 100)}% | " + " | ".join(
+                f"{cells[m]['speedup']:.2f}x ({cells[m]['bandwidth_fraction']:.0%})" if m in cells else "-"
+                for m in tokens) + " |")
+    print("large M at 50%: microseconds for dense cuBLAS / dispatcher / sparse kernel / expand + cuBLAS")
+    for r in rows:
+        if r["m"] >= 16 and r["sparsity"] == 0.5:
+            print(f"  {r['shape'][0]}x{r['shape'][1]} M={r['m']}: {r['dense_us']} / {r['sparse_us']} / "
+                  f"{r['kernel_us']} / {r['fallback_us']}")
     for shape in dict.fromkeys(tuple(r["shape"]) for r in sweep):
         best = min((r for r in sweep if tuple(r["shape"]) == shape), key=lambda r: r["sparse_us"])
         print(f"best M=1 launch for {shape[0]}x{shape[1]} at 50%: split_k={best['split_k']} "

@@ -36,7 +36,8 @@ def _download_from_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as exc:  # the hub client raises many types for network and auth problems
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LeapctlError(f"could not fetch {repo_id!r} from the Hugging Face hub: {reason}") from None
@@ -89,7 +90,8 @@ def block_prefix(model: nn.Module) -> str:
     raise LeapctlError("decoder blocks are not reachable by name")
 
 
-def prunable_linears(model: nn.Module, include: str | None = None, exclude: str | None = None) -> dict[str, nn.Linear]:
+def prunable_linears(model: nn.Module, include: str | None = None,
+                     exclude: str | None = None) -> dict[str, nn.Linear]:
     """`nn.Linear` modules inside the decoder blocks by qualified name, filtered by optional regexes
     (`re.search` on the name); the default set is every linear in every block."""
     prefix = block_prefix(model)

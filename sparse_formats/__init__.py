@@ -1,4 +1,5 @@
-"""Sparse weight formats with exact round trips and integrity checks; torch and numpy only, no model knowledge.
+"""Sparse weight formats with exact round trips and integrity checks; torch and numpy only, no model
+knowledge.
 
 Formats register themselves on import: `get_format("bitmap").encode(weight, mask)`."""
 

@@ -99,8 +99,6 @@ def apply_masks(model: torch.nn.Module, mask_set: MaskSet) -> None:
 def write_masked_checkpoint(model_spec: str, masks_path: Path, out: Path, overwrite: bool = False) -> dict:
     """`leapctl apply-mask`: load MODEL, zero the weights a mask file prunes and write a run folder
     (checkpoint with zeros in place, the masks, a report) atomically; returns the report."""
-    import time
-
     from leapctl.models import load_model, resolve_model
     from leapctl.outdir import atomic_output_dir, check_output_dir
     from leapctl.runs import REPORT_FILE, save_run
@@ -118,13 +116,11 @@ def write_masked_checkpoint(model_spec: str, masks_path: Path, out: Path, overwr
         dtype = getattr(torch, dtype, None)
     if not isinstance(dtype, torch.dtype):
         dtype = torch.float32
-    start = time.perf_counter()
     model, tokenizer = load_model(model_spec, dtype=dtype)
     masks = MaskSet(masks=mask_set.masks, model=model_spec, extra=mask_set.extra)
     report = {"command": "apply-mask", "masks_file": str(masks_path), "masks_model": mask_set.model,
               "masks_extra": mask_set.extra}
     with atomic_output_dir(Path(out), overwrite) as tmp:
-        report["seconds"] = round(time.perf_counter() - start, 3)
         save_run(tmp, model, tokenizer, masks, report)
         full = json.loads((tmp / REPORT_FILE).read_text())
     return full

@@ -131,6 +131,19 @@ def test_write_masked_checkpoint(tiny_checkpoint, tiny_masks, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
 
 
+def test_write_masked_checkpoint_keeps_the_checkpoint_dtype(tiny_checkpoint, tiny_masks, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tiny_checkpoint("llama")
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path / "bf16")
+    write_masked_checkpoint(str(tmp_path / "bf16"), tiny_masks[0], tmp_path / "out")
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    name = next(iter(tiny_masks[1]))
+    assert not weights[name][~tiny_masks[1][name]].any()  # pruned positions are zero
+
+
 def test_mask_for_another_model_leaves_nothing_behind(tiny_checkpoint, tmp_path):
     masks_path = tmp_path / "other.safetensors"
     save_masks(masks_path, MaskSet({"model.layers.9.mlp.up_proj.weight": random_mask(128, 64, 0.5, 0)}))

@@ -80,6 +80,10 @@ def materialize_builtin(name: str) -> Path:
     final = builtin_model_dir(name)
     if _is_complete(final):
         return final
+    from rich.console import Console
+
+    Console(stderr=True).print(f"{name} is not in {final.parent} yet; preparing it once: "
+                               f"{BUILTIN_MODELS[name].description}")
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
     try:

@@ -331,7 +331,8 @@ def _check_sparse_linear(manifest: dict, tensors: dict, layers: dict, report: Re
         report.add("sparse-linear", layer, ok, f"max |difference| {error:.3g} ({weight.dtype})")
 
 
-def _dense_model_from_export(export_dir: Path, tensors: dict, layers: dict, dtype: torch.dtype):
+def _dense_model_from_export(export_dir: Path, manifest: dict, tensors: dict, layers: dict,
+                             dtype: torch.dtype):
     """The export decoded back into an ordinary transformers model, built from the export's own config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -339,7 +340,8 @@ def _dense_model_from_export(export_dir: Path, tensors: dict, layers: dict, dtyp
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {name: t for name, t in tensors.items() if name.rsplit(".", 1)[0] not in layers}
+    encoded = {name for info in manifest["layers"].values() for name in info["tensors"]}
+    state = {name: t for name, t in tensors.items() if name not in encoded}
     state.update({f"{layer}.weight": weight for layer, weight in layers.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
@@ -357,7 +359,11 @@ def _check_end_to_end(export_dir: Path, manifest: dict, tensors: dict, layers: d
 
     dtype = next(iter(layers.values())).dtype
     reference_model, _ = load_masked_model(ref.path, ref.masks, dtype)
-    exported = _dense_model_from_export(export_dir, tensors, layers, dtype)
+    try:
+        exported = _dense_model_from_export(export_dir, manifest, tensors, layers, dtype)
+    except LeapctlError as exc:
+        report.add("logits", "model", False, str(exc))
+        return
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     input_ids = sample_ids(tokenizer, prompts)
     with torch.no_grad():
@@ -388,6 +394,7 @@ def _check_onnx(export_dir: Path, manifest: dict, ref: Reference | None, prompts
     from transformers import AutoTokenizer
 
     model, _ = load_masked_model(ref.path, ref.masks, ref.dtype or torch.float32)
+    _check_onnx_weights(export_dir / "model.onnx", manifest, model, report)
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     input_ids = sample_ids(tokenizer, prompts)
     with torch.no_grad():
@@ -402,3 +409,27 @@ def _check_onnx(export_dir: Path, manifest: dict, ref: Reference | None, prompts
     report.add("logits", "model.onnx", difference <= tolerance,
                f"onnxruntime vs torch max |difference| {difference:.3g} (tolerance {tolerance:.3g})")
 
+
+
+def _check_onnx_weights(model_file: Path, manifest: dict, model: torch.nn.Module, report: Report) -> None:
+    """Each pruned weight, masked, is among the ONNX initializers bit for bit. The exporter folds the
+    transposes of linear weights into anonymous constants, so they are matched by content hash."""
+    import hashlib
+
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(model_file)).graph
+    stored = {}
+    for init in graph.initializer:
+        if len(init.dims) == 2:
+            array = numpy_helper.to_array(init)
+            stored[hashlib.sha256(array.tobytes()).hexdigest()] = init.name
+    params = dict(model.named_parameters())
+    for layer in manifest["layers"]:
+        weight = params[f"{layer}.weight"].detach()
+        found = [stored.get(hashlib.sha256(w.contiguous().numpy().tobytes()).hexdigest())
+                 for w in (weight, weight.T)]
+        name = next((n for n in found if n), None)
+        report.add("decode", layer, name is not None,
+                   f"masked weight stored as {name}" if name else "masked weight not found in model.onnx")

@@ -212,3 +212,22 @@ def test_onnx_export_runs_in_onnxruntime(pruned_run, tmp_path):
     assert manifest["onnx_check"]["max_abs_logit_diff"] <= manifest["onnx_check"]["tolerance"]
     report = validate(out)
     assert not report.failures and any(c.kind == "logits" and c.ok for c in report.checks)
+    assert sum(c.kind == "decode" and c.ok for c in report.checks) == len(manifest["layers"])
+
+
+def test_qwen2_untied_with_biases_round_trips(tiny_checkpoint, tmp_path):
+    """Qwen2: q/k/v biases stay dense beside the sparse weights, the untied lm_head is written dense."""
+    from leapctl.validate import validate
+
+    model, tokenizer = load_model(str(tiny_checkpoint("qwen2")))
+    run = tmp_path / "run"
+    run.mkdir()
+    save_run(run, model, tokenizer, random_masks(model, density=0.4), {"method": "random"})
+    out = tmp_path / "bitmap"
+    assert run_cli("export", run, "--format", "bitmap", "--out", out) == 0
+    tensors = read_export(out)
+    assert "model.layers.0.self_attn.q_proj.bias" in tensors and "lm_head.weight" in tensors
+    assert "model.layers.0.self_attn.q_proj.bitmap" in tensors
+    report = validate(out)
+    assert [c for c in report.failures] == []
+    assert any(c.kind == "generate" and c.ok for c in report.checks)

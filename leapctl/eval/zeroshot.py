@@ -52,6 +52,15 @@ def parse_tasks(spec: str | list[str]) -> list[str]:
     return names
 
 
+def check_task_files(tasks: list[str], tasks_dir: str | Path | None = None) -> None:
+    """Fail with one line before any model is loaded when a task's files are not there."""
+    folder = resolve_tasks_dir(tasks_dir)
+    for task in parse_tasks(tasks):
+        for name in _TASK_FILES[task]:
+            if not (folder / name).is_file():
+                raise LeapctlError(f"{task}: task file {folder / name} not found")
+
+
 def load_docs(task: str, tasks_dir: str | Path | None = None) -> list[dict]:
     """The evaluation documents of `task` as lm-eval's processed docs (after `process_docs`)."""
     folder = resolve_tasks_dir(tasks_dir)

@@ -104,16 +104,20 @@ def test_sigterm_checkpoints_and_resume_matches(stories260k_dir, calib, uninterr
     _assert_same_run(uninterrupted, out)
 
 
-def test_two_gloo_processes_learn_the_same_mask_as_one(stories260k_dir, calib, uninterrupted, tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_two_gloo_processes_learn_the_same_mask_as_one(
+    stories260k_dir, calib, uninterrupted, tmp_path, sharding
+):
     """Same windows and the same noise per global micro-batch; only the order of the gradient sums
     differs (each rank sums its own two micro-batches, the all-reduce then adds the two ranks, where one
     process adds four in a row). So the runs agree up to float32 rounding, which the end of the schedule
     amplifies (d mask / d logit grows with alpha / tau, 7000 at the last step): the logits agree to 1e-5
-    almost everywhere, to 1e-2 everywhere, and the hard masks are equal."""
+    almost everywhere, to 1e-2 everywhere, and the hard masks are equal. FSDP2 shards the logits and
+    reduce-scatters their gradients instead of all-reducing them: the same sums in another order."""
     out = tmp_path / "ddp"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "leapctl", "learn", *_args(stories260k_dir, calib, out)],
+         "-m", "leapctl", "learn", *_args(stories260k_dir, calib, out), *sharding],
         env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

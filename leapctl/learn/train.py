@@ -162,7 +162,6 @@ def learn_masks(config: LearnConfig) -> LearnResult:
         }
     mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype)
     masked = attach_masks(model, linears, logits, mask_state)
-    logit_params = [layer.mask_logits for layer in masked.values()]
 
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -180,6 +179,7 @@ def learn_masks(config: LearnConfig) -> LearnResult:
         )
 
     # ---------------------------------------------------------------- optimizer and schedules
+    logit_params = [layer.mask_logits for layer in masked.values()]  # after fully_shard made them shards
     optimizer = torch.optim.AdamW(
         logit_params, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay
     )

@@ -2,6 +2,7 @@
 
 Under `torchrun --nproc-per-node N -m leapctl learn ...` it runs data parallel (DDP; `--fsdp` for FSDP2)."""
 
+import json
 from pathlib import Path
 
 import typer
@@ -21,10 +22,10 @@ def learn(
         ..., "--out", help="Output folder (checkpoint, masks.safetensors, report, plots)."
     ),
     calib: str = typer.Option(
-        "generated",
+        "wiki-summaries",
         "--calib",
-        help="Training text: file, folder, .jsonl, saved dataset, "
-        "wiki-summaries or generated (sampled from the model).",
+        help="Training text: file, folder, .jsonl, saved dataset, wiki-summaries or generated (sampled "
+        "from the model).",
     ),
     steps: int = typer.Option(100, "--steps", help="Optimizer steps."),
     batch_size: int = typer.Option(8, "--batch-size", help="Global batch in sequences per optimizer step."),
@@ -153,4 +154,12 @@ def learn(
         )
         raise typer.Exit(128 + result.interrupted_by)
     if result.out is not None:
-        typer.echo(f"wrote {result.out}")
+        report = json.loads((result.out / "report.json").read_text())
+        peak = report["peak_memory"]
+        peak_bytes = peak.get("cuda_max_allocated_bytes", peak["process_max_rss_bytes"])
+        typer.echo(
+            f"wrote {result.out}: sparsity {report['achieved_sparsity']['global']:.4f}, final LM loss "
+            f"{report['final'].get('lm_loss', float('nan')):.4f}, "
+            f"{report['tokens_per_s'] or 0:.0f} tokens/s, "
+            f"peak memory {peak_bytes / 2**20:.0f} MiB"
+        )

@@ -31,7 +31,7 @@ class LearnConfig:
     model: str
     out: Path
     sparsity: float = 0.5
-    calib: str = "generated"
+    calib: str = "wiki-summaries"
     nsamples: int = 128  # calibration windows for the Wanda initialisation
     calib_tokens: int = 0  # cap on the training corpus in tokens (0: whole source)
     steps: int = 100

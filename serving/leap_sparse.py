@@ -148,7 +148,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_tiled = None
         if device.type == "cuda" and tiled_kernel() is not None:
             tiled = get_format("tiled-bitmap").encode(weight.dense(), weight.mask())
-            layer.leap_tiled = (list(tiled.values()), ",".join(tiled))
+            layer.leap_tiled = (list(tiled.values()), ",".join(tiled), weight.rows)
             bytes_held = sum(t.numel() * t.element_size() for t in tiled.values())
             for name in ("bitmap", "values", "row_offsets"):
                 delattr(layer, name)
@@ -159,8 +159,8 @@ class LeapSparseLinearMethod(LinearMethodBase):
         if self.config.decode_dense:
             return F.linear(x, layer.weight, bias)
         if layer.leap_tiled is not None:
-            tensors, names = layer.leap_tiled
-            return tiled_bitmap_linear(x, tensors, names, bias)
+            tensors, names, n_rows = layer.leap_tiled
+            return tiled_bitmap_linear(x, tensors, names, n_rows, bias)
         return bitmap_linear(x, layer.bitmap, layer.values, layer.row_offsets, layer.leap_n_cols, bias)
 
 

@@ -49,10 +49,11 @@ def tiled_kernel():
 
 
 @torch.library.custom_op("leap_sparse::tiled_bitmap_linear", mutates_args=())
-def tiled_bitmap_linear(x: torch.Tensor, tensors: list[torch.Tensor], names: str,
+def tiled_bitmap_linear(x: torch.Tensor, tensors: list[torch.Tensor], names: str, n_rows: int,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GPU kernel behind an opaque op: `names` (comma-separated) labels `tensors`, the tiled-bitmap
-    encoding as `sparse_formats.get_format("tiled-bitmap").encode` returns it."""
+    encoding as `sparse_formats.get_format("tiled-bitmap").encode` returns it; `n_rows` (output features)
+    lets the fake implementation size its result without reading the `shape` tensor."""
     kernel = tiled_kernel()
     if kernel is None:
         raise RuntimeError("serving.kernels.tiled_bitmap_triton is not importable")
@@ -60,9 +61,8 @@ def tiled_bitmap_linear(x: torch.Tensor, tensors: list[torch.Tensor], names: str
 
 
 @tiled_bitmap_linear.register_fake
-def _tiled_bitmap_linear_fake(x, tensors, names, bias=None):
-    shape = dict(zip(names.split(","), tensors, strict=True))["shape"]
-    return x.new_empty((*x.shape[:-1], int(shape[0])))
+def _tiled_bitmap_linear_fake(x, tensors, names, n_rows, bias=None):
+    return x.new_empty((*x.shape[:-1], n_rows))
 
 
 @dataclass

@@ -129,3 +129,19 @@ def test_compressed_weight_is_smaller_than_dense_at_half_density():
     assert packed.nbytes() <= 0.6 * dense_bytes
     expected = packed.values.numel() * 4 + 256 * 512 // 8 + 256 * 8
     assert packed.nbytes() == expected
+
+
+def test_tiled_bitmap_op_wraps_the_gpu_kernel_package():
+    """The op vLLM layers call on CUDA; on CPU the kernel package decodes, which checks the plumbing
+    (names, tensor order, fake shape) that the GPU path shares."""
+    from serving.sparse_linear import tiled_bitmap_linear, tiled_kernel
+    from sparse_formats import get_format
+
+    if tiled_kernel() is None:
+        pytest.skip("serving.kernels.tiled_bitmap_triton is not importable (no triton)")
+    weight, mask, _ = random_sparse(70, 130, 0.5)
+    tiled = get_format("tiled-bitmap").encode(weight, mask)
+    x, bias = torch.randn(3, 130), torch.randn(70)
+    args = (x, list(tiled.values()), ",".join(tiled), 70, bias)
+    torch.testing.assert_close(tiled_bitmap_linear(*args), x @ (weight * mask).T + bias)
+    torch.library.opcheck(tiled_bitmap_linear, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,164 @@
+"""The `leap_sparse` linear method inside real vLLM linear layers, in this process: weights go in the way
+vLLM's loader sends them (the model's stacked-params mapping tags q/k/v and gate/up shards), and each
+tensor-parallel rank must compute exactly its slice of the dense masked weight. Ranks are simulated by
+patching the tensor-parallel rank and size that vLLM's linear layers read."""
+
+import pytest
+import torch
+
+vllm_linear = pytest.importorskip("vllm.model_executor.layers.linear")
+vllm_parameter = pytest.importorskip("vllm.model_executor.parameter")
+
+from serving.leap_sparse import DECODE_DENSE_ENV, LeapSparseConfig  # noqa: E402
+from serving.plugin import QUANT_METHOD, register  # noqa: E402
+from sparse_formats import get_format  # noqa: E402
+
+HIDDEN, HEAD, HEADS, KV_HEADS, FFN = 64, 16, 4, 2, 90
+STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
+           ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+
+
+def masked_projection(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen), torch.rand(rows, cols, generator=gen) < 0.5
+
+
+PROJECTIONS = {  # HF name -> (weight, mask)
+    "q_proj": masked_projection(HEADS * HEAD, HIDDEN, 1),
+    "k_proj": masked_projection(KV_HEADS * HEAD, HIDDEN, 2),
+    "v_proj": masked_projection(KV_HEADS * HEAD, HIDDEN, 3),
+    "o_proj": masked_projection(HIDDEN, HEADS * HEAD, 4),
+    "gate_proj": masked_projection(FFN, HIDDEN, 5),
+    "up_proj": masked_projection(FFN, HIDDEN, 6),
+    "down_proj": masked_projection(HIDDEN, FFN, 7),
+}
+
+
+def stored(fmt: str, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint name relative to the layer, tensor) as the export writes them, with the shard tag
+    vLLM's stacked-params mapping adds (`q_proj.bitmap` -> `qkv_proj.bitmap`, shard "q")."""
+    out = []
+    for name in names:
+        weight, mask = PROJECTIONS[name]
+        for key, tensor in get_format(fmt).encode(weight, mask).items():
+            stacked = STACKED.get(f".{name}")
+            if stacked is not None:
+                tensor.shard_id = stacked[1]
+            out.append((key, tensor))
+    return out
+
+
+def build_layer(monkeypatch, kind: str, config: LeapSparseConfig, rank: int, size: int):
+    for module in (vllm_linear, vllm_parameter):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: rank)
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: size)
+    common = dict(bias=False, quant_config=config, params_dtype=torch.float32)
+    block = "model.layers.0"
+    if kind == "qkv":
+        return vllm_linear.QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS,
+                                             prefix=f"{block}.self_attn.qkv_proj", **common)
+    if kind == "gate_up":
+        return vllm_linear.MergedColumnParallelLinear(HIDDEN, [FFN, FFN], prefix=f"{block}.mlp.gate_up_proj",
+                                                      **common)
+    if kind == "down":
+        return vllm_linear.RowParallelLinear(FFN, HIDDEN, prefix=f"{block}.mlp.down_proj", **common)
+    return vllm_linear.ReplicatedLinear(HEADS * HEAD, HIDDEN, prefix=f"{block}.self_attn.o_proj", **common)
+
+
+def load(layer, fmt: str, names: list[str]) -> None:
+    """What vLLM's AutoWeightsLoader does: merged layers get `load_weights`, others each param's loader."""
+    weights = stored(fmt, names)
+    if hasattr(layer, "load_weights"):
+        list(layer.load_weights(weights))
+    else:
+        params = dict(layer.named_parameters())
+        for key, tensor in weights:
+            params[key].weight_loader(params[key], tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def expected_slice(kind: str, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of the dense masked weight, cut plainly from the full matrices."""
+    dense = {name: w * m for name, (w, m) in PROJECTIONS.items()}
+
+    def rows(t, parts, index):
+        step = t.shape[0] // parts
+        return t[index * step:(index + 1) * step]
+
+    if kind == "qkv":
+        kv_parts = min(size, KV_HEADS)
+        kv_index = rank // max(1, size // KV_HEADS)
+        return torch.cat([rows(dense["q_proj"], size, rank), rows(dense["k_proj"], kv_parts, kv_index),
+                          rows(dense["v_proj"], kv_parts, kv_index)])
+    if kind == "gate_up":
+        return torch.cat([rows(dense["gate_proj"], size, rank), rows(dense["up_proj"], size, rank)])
+    if kind == "down":
+        step = FFN // size
+        return dense["down_proj"][:, rank * step:(rank + 1) * step]
+    return dense["o_proj"]
+
+
+LAYERS = {"qkv": ["q_proj", "k_proj", "v_proj"], "gate_up": ["gate_proj", "up_proj"], "down": ["down_proj"],
+          "replicated": ["o_proj"]}
+
+
+# Four ranks over two KV heads replicate each KV head on two ranks (q/k/v only: FFN=90 splits in two).
+RANKS = [(kind, rank, size) for kind in LAYERS for rank, size in [(0, 1), (0, 2), (1, 2), (3, 4)]
+         if size != 4 or kind in ("qkv", "replicated")]
+
+
+@pytest.mark.parametrize("fmt", ["bitmap", "csr"])
+@pytest.mark.parametrize("kind,rank,size", RANKS)
+def test_each_rank_computes_its_slice_of_the_dense_masked_weight(monkeypatch, fmt, kind, rank, size):
+    config = LeapSparseConfig(fmt, 0.5, ["lm_head"], decode_dense=False)
+    layer = build_layer(monkeypatch, kind, config, rank, size)
+    load(layer, fmt, LAYERS[kind])
+    weight = expected_slice(kind, rank, size)
+    held_tensors = {"shape": torch.tensor(list(weight.shape)), "bitmap": layer.bitmap, "values": layer.values,
+                    "row_offsets": layer.row_offsets}
+    get_format("bitmap").check(held_tensors)
+    assert torch.equal(get_format("bitmap").decode(held_tensors), weight)
+    x = torch.randn(5, weight.shape[1])
+    torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ weight.T)
+    held = sum(t.numel() * t.element_size() for t in (layer.bitmap, layer.values, layer.row_offsets))
+    assert held <= 0.6 * weight.numel() * 4
+    assert not hasattr(layer, "shape") and not hasattr(layer, "leap_parts")  # placeholders are gone
+
+
+def test_decode_dense_flag_keeps_a_dense_weight(monkeypatch):
+    monkeypatch.setenv(DECODE_DENSE_ENV, "1")
+    config = LeapSparseConfig.from_config({"quant_method": QUANT_METHOD, "format": "bitmap", "sparsity": 0.5,
+                                           "ignore": []})
+    layer = build_layer(monkeypatch, "gate_up", config, 1, 2)
+    load(layer, "bitmap", LAYERS["gate_up"])
+    weight = expected_slice("gate_up", 1, 2)
+    assert torch.equal(layer.weight, weight) and not hasattr(layer, "bitmap")
+    x = torch.randn(3, HIDDEN)
+    torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ weight.T)
+
+
+def test_a_missing_tensor_names_the_layer(monkeypatch):
+    config = LeapSparseConfig("bitmap", 0.5, [], decode_dense=False)
+    layer = build_layer(monkeypatch, "qkv", config, 0, 1)
+    list(layer.load_weights([(k, t) for k, t in stored("bitmap", LAYERS["qkv"])
+                             if not (k == "values" and t.shard_id == "v")]))
+    with pytest.raises(ValueError, match=r"qkv_proj \(shard 2\) has no values"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_ignored_layers_stay_dense_and_fused_layers_must_agree(monkeypatch):
+    config = LeapSparseConfig("bitmap", 0.5, ["model.layers.0.mlp.down_proj"], decode_dense=False)
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    dense = build_layer(monkeypatch, "down", config, 0, 1)
+    assert isinstance(dense.quant_method, vllm_linear.UnquantizedLinearMethod)
+    sparse = build_layer(monkeypatch, "qkv", config, 0, 1)
+    assert type(sparse.quant_method).__name__ == "LeapSparseLinearMethod"
+
+
+def test_plugin_registration_is_idempotent():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    register()
+    register()
+    assert QUANTIZATION_METHODS.count(QUANT_METHOD) == 1
+    assert get_quantization_config(QUANT_METHOD) is LeapSparseConfig

@@ -11,8 +11,9 @@ and expands them in registers:
 - Expansion: the group's 64 bitmap words (512 contiguous bytes) become [64 rows, 8 bytes]. A value's
   index inside the group's contiguous value slice is (values in earlier rows) + (in earlier bytes of
   its row) + (in earlier bits of its byte). The first two are scans over 64 and 8 entries per group;
-  the last is a running sum over the eight bit planes, unrolled, one add per weight. Each plane is then
-  a masked gather from a slice of at most 8 KiB, whose sectors come from DRAM once and then from L1.
+  the last is a running sum over the eight bit planes, unrolled: each plane's pointers advance by its
+  bits. Each plane is then a masked gather from the group's slice of at most 8 KiB, whose sectors come
+  from DRAM once and then from L1.
 - M = 1: the eight planes multiply strided slices of x on the CUDA cores, fp32, accumulated per byte;
   one reduction after the loop. M > 1: `tl.join` puts the planes side by side (column 8b + j) into a
   dense [64, 64] tile for `tl.dot` on the tensor cores, fp32 accumulation, M padded to 16.
@@ -40,8 +41,8 @@ SPARSE_KERNEL_MAX_M = 128
 
 @triton.jit
 def _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP: tl.constexpr):
-    """A group's bitmap as [rows, 8] bytes (byte b = columns 8b .. 8b+7), the index of each byte's first
-    kept value inside the group, and a pointer to the group's first value."""
+    """A group's bitmap as [rows, 8] bytes (byte b = columns 8b .. 8b+7), and for each byte a pointer to
+    its first kept value (the group's first value + kept values in earlier rows + in earlier bytes)."""
     rows = tl.arange(0, GROUP)
     byte_index = tl.arange(0, GROUP // 8)
     words = tl.load(bitmap_ptr + group * GROUP + rows)  # int64, one word per row of the group
@@ -56,28 +57,29 @@ def _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP: tl.constexpr
     per_row = tl.sum(count, axis=1)
     before_row = tl.cumsum(per_row, axis=0) - per_row
     start = tl.load(offsets_ptr + group)
-    return byte, before_row[:, None] + before_byte, values_ptr + start
+    return byte, values_ptr + start + (before_row[:, None] + before_byte)
 
 
 @triton.jit
-def _plane(group_values, position, byte, J: tl.constexpr):
-    """Bit J of every byte (column 8b + J): its value (0 where pruned) and the positions advanced past it."""
+def _plane(value_ptrs, byte, J: tl.constexpr):
+    """Bit J of every byte (column 8b + J): its value (0 where pruned), and the pointers advanced past it
+    (one 32x32+64-bit multiply-add per weight, no separate index arithmetic)."""
     bit = (byte >> J) & 1
-    return tl.load(group_values + position, mask=bit != 0, other=0.0), position + bit
+    return tl.load(value_ptrs, mask=bit.to(tl.int1), other=0.0), value_ptrs + bit
 
 
 @triton.jit
 def _expand_group(bitmap_ptr, values_ptr, offsets_ptr, group, GROUP: tl.constexpr):
     """The dense [GROUP rows, GROUP cols] tile of one group in the values' dtype, zeros where pruned."""
-    byte, position, group_values = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP)
-    w0, position = _plane(group_values, position, byte, 0)
-    w1, position = _plane(group_values, position, byte, 1)
-    w2, position = _plane(group_values, position, byte, 2)
-    w3, position = _plane(group_values, position, byte, 3)
-    w4, position = _plane(group_values, position, byte, 4)
-    w5, position = _plane(group_values, position, byte, 5)
-    w6, position = _plane(group_values, position, byte, 6)
-    w7, position = _plane(group_values, position, byte, 7)
+    byte, value_ptrs = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP)
+    w0, value_ptrs = _plane(value_ptrs, byte, 0)
+    w1, value_ptrs = _plane(value_ptrs, byte, 1)
+    w2, value_ptrs = _plane(value_ptrs, byte, 2)
+    w3, value_ptrs = _plane(value_ptrs, byte, 3)
+    w4, value_ptrs = _plane(value_ptrs, byte, 4)
+    w5, value_ptrs = _plane(value_ptrs, byte, 5)
+    w6, value_ptrs = _plane(value_ptrs, byte, 6)
+    w7, value_ptrs = _plane(value_ptrs, byte, 7)
     # w{j}[r, b] is column 8b + j; join so that the three new axes spell j in binary, high bit first.
     tile = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
     return tl.reshape(tile, (GROUP, GROUP))
@@ -122,11 +124,11 @@ def _tiled_bitmap_gemv_kernel(x_ptr, bitmap_ptr, values_ptr, offsets_ptr, bias_p
     acc = tl.zeros((GROUP, GROUP // 8), dtype=tl.float32)
     first = split * groups_per_split
     for col_group in range(first, tl.minimum(first + groups_per_split, col_groups)):
-        byte, position, group_values = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr,
-                                                    row_group * col_groups + col_group, GROUP)
+        group = row_group * col_groups + col_group
+        byte, value_ptrs = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP)
         ks = col_group * GROUP + byte_index * 8
         for j in tl.static_range(8):
-            w, position = _plane(group_values, position, byte, j)
+            w, value_ptrs = _plane(value_ptrs, byte, j)
             x = tl.load(x_ptr + ks + j, mask=ks + j < K, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     ns = row_group * GROUP + tl.arange(0, GROUP)

@@ -5,7 +5,6 @@ can fix (`LeapctlError`) become one line on stderr and exit status 2, never a tr
 
 import sys
 
-import click
 import typer
 
 from leapctl.errors import LeapctlError
@@ -19,15 +18,20 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from leapctl import __version__
 
         typer.echo(f"leapctl {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version),
+) -> None:
+    """Options that apply before any command."""
 
 
 def fail(message: str) -> None:
@@ -39,18 +43,12 @@ def fail(message: str) -> None:
 def main() -> None:
     import leapctl.commands  # noqa: F401  (registers the commands on `app`)
 
-    command = typer.main.get_command(app)
+    # Standalone mode: typer reports its own usage errors (exit 2) and interrupts; a LeapctlError is not
+    # a click exception, so it passes through to here and becomes one line.
     try:
-        rc = command.main(prog_name="leapctl", standalone_mode=False)
+        app(prog_name="leapctl")
     except LeapctlError as exc:
         fail(str(exc))
-    except click.exceptions.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
     except BaseException:

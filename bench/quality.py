@@ -1,0 +1,182 @@
+"""Perplexity of one-shot pruning methods side by side: dense, magnitude, Wanda, SparseGPT at 50% and 60%.
+
+    .venv/bin/python bench/quality.py --models stories260k,smollm2-135m --sparsities 0.5,0.6
+
+stories260k: calibration `generated` (128 x 256 tokens sampled from the model: its training text is not
+here), evaluation on the TinyStories excerpt in 256-token windows over the concatenated stories.
+smollm2-135m: calibration `wiki-summaries`, 128 x 512 tokens; evaluation on the WikiText-2 test split
+(../shared/assets/wikitext-2-raw/wiki.test.lf.raw) in 512-token windows, as the pruning papers measure it.
+The calibration batch is drawn once per model and shared by every method; each run prunes a fresh copy
+of the dense model and its wall time is recorded. Results go to bench/results/quality_<model>.{json,md},
+rewritten after every run.
+
+A method is an entry of METHODS: `fn(model, tokenizer, calib_ids, sparsity, setup) -> MaskSet` that leaves
+`model` pruned in place. Adding one (e.g. LEAP) is one more entry."""
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from leapctl.data import calibration_batch
+from leapctl.eval.perplexity import perplexity, read_wikitext
+from leapctl.masks import MaskSet
+from leapctl.models import load_model
+from leapctl.paths import assets_dir
+from leapctl.prune import prune_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """A model and how it is calibrated and evaluated."""
+
+    name: str
+    spec: Callable[[], str]  # the MODEL argument, resolved lazily (assets may be elsewhere)
+    calib: str
+    nsamples: int
+    seq_len: int
+    eval_text: Callable[[], str]
+    eval_name: str
+    eval_seq_len: int
+    seed: int = 0
+
+
+def _asset(relative: str) -> Path:
+    root = assets_dir()
+    if root is None or not (root / relative).exists():
+        sys.exit(f"error: shared asset {relative} not found (set LEAPCTL_ASSETS)")
+    return root / relative
+
+
+MODELS: dict[str, ModelSetup] = {
+    "stories260k": ModelSetup(
+        name="stories260k", spec=lambda: str(_asset("stories260K/hf")), calib="generated", nsamples=128,
+        seq_len=256, eval_text=lambda: _asset("tinystories/valid_excerpt.txt").read_text(),
+        eval_name="TinyStories valid excerpt", eval_seq_len=256),
+    "smollm2-135m": ModelSetup(
+        name="smollm2-135m", spec=lambda: "smollm2-135m", calib="wiki-summaries", nsamples=128, seq_len=512,
+        eval_text=lambda: read_wikitext(_asset("wikitext-2-raw/wiki.test.lf.raw")),
+        eval_name="WikiText-2 test", eval_seq_len=512),
+}
+
+
+def _one_shot(method: str) -> Callable[..., MaskSet]:
+    def run(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float,
+            setup: ModelSetup) -> MaskSet:
+        return prune_model(model, method, sparsity, calib_ids)
+
+    return run
+
+
+METHODS: dict[str, Callable[..., MaskSet]] = {
+    "magnitude": _one_shot("magnitude"),
+    "wanda": _one_shot("wanda"),
+    "sparsegpt": _one_shot("sparsegpt"),
+}
+
+
+def _eval_text(setup: ModelSetup, tokenizer, max_tokens: int | None) -> str:
+    """The evaluation text, optionally cut at a paragraph boundary after about `max_tokens` tokens."""
+    text = setup.eval_text()
+    if max_tokens is None:
+        return text
+    kept, count = [], 0
+    for paragraph in text.split("\n\n"):
+        kept.append(paragraph)
+        count += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"])
+        if count >= max_tokens:
+            break
+    return "\n\n".join(kept)
+
+
+def _write(setup: ModelSetup, meta: dict, rows: list[dict]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"quality_{setup.name}.json").write_text(json.dumps({**meta, "runs": rows}, indent=2) + "\n")
+    dense = next((r["ppl"] for r in rows if r["method"] == "dense"), None)
+    evaluation, calib = meta["eval"], meta["calibration"]
+    cap = evaluation["max_tokens"]
+    limit = "" if cap is None else f"; eval on the first ~{cap} tokens"
+    lines = [f"### {setup.name}: perplexity on {evaluation['text']} ({evaluation['seq_len']}-token windows)",
+             "",
+             f"Calibration: `{setup.calib}`, {calib['nsamples']} x {calib['seq_len']} tokens, "
+             f"seed {setup.seed}{limit}. Device: {meta['device']}.",
+             "",
+             "| method | target sparsity | achieved | perplexity | vs dense | prune time (s) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ratio = f"{r['ppl'] / dense:.2f}x" if dense else ""
+        target = "-" if r["target"] is None else f"{r['target']:.0%}"
+        achieved = "-" if r["achieved"] is None else f"{r['achieved']:.4f}"
+        seconds = "-" if r["seconds"] is None else f"{r['seconds']:.1f}"
+        lines.append(f"| {r['method']} | {target} | {achieved} | {r['ppl']:.3f} | {ratio} | {seconds} |")
+    (RESULTS / f"quality_{setup.name}.md").write_text("\n".join(lines) + "\n")
+
+
+def run_model(setup: ModelSetup, methods: list[str], sparsities: list[float], nsamples: int | None,
+              eval_tokens: int | None) -> list[dict]:
+    dense, tokenizer = load_model(setup.spec())
+    text = _eval_text(setup, tokenizer, eval_tokens)
+    nsamples = nsamples or setup.nsamples
+    started = time.perf_counter()
+    calib_ids = calibration_batch(setup.calib, tokenizer, nsamples, setup.seq_len, setup.seed, model=dense)
+    meta = {
+        "model": setup.name,
+        "calibration": {"source": setup.calib, "nsamples": nsamples, "seq_len": setup.seq_len,
+                        "seed": setup.seed, "seconds": round(time.perf_counter() - started, 1)},
+        "eval": {"text": setup.eval_name, "seq_len": setup.eval_seq_len, "max_tokens": eval_tokens},
+        "device": "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    rows = [{"method": "dense", "target": None, "achieved": None, "seconds": None,
+             "ppl": perplexity(dense, tokenizer, text, seq_len=setup.eval_seq_len)}]
+    _write(setup, meta, rows)
+    for sparsity in sparsities:
+        for method in methods:
+            model = copy.deepcopy(dense)
+            started = time.perf_counter()
+            masks = METHODS[method](model, tokenizer, calib_ids, sparsity, setup)
+            seconds = time.perf_counter() - started
+            ppl = perplexity(model, tokenizer, text, seq_len=setup.eval_seq_len)
+            rows.append({"method": method, "target": sparsity, "achieved": masks.sparsity()["global"],
+                         "seconds": round(seconds, 2), "ppl": ppl})
+            print(f"{setup.name} {method} {sparsity:.0%}: ppl {ppl:.3f} ({seconds:.1f}s)", flush=True)
+            _write(setup, meta, rows)
+            del model
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="stories260k,smollm2-135m")
+    parser.add_argument("--sparsities", default="0.5,0.6")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--nsamples", type=int, default=None, help="override the calibration sample count")
+    parser.add_argument("--eval-tokens", type=int, default=None,
+                        help="evaluate on about the first N tokens only (default: the whole text)")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    methods = args.methods.split(",")
+    for name in models:
+        if name not in MODELS:
+            sys.exit(f"error: unknown model {name!r} (choose from {', '.join(MODELS)})")
+    for name in methods:
+        if name not in METHODS:
+            sys.exit(f"error: unknown method {name!r} (choose from {', '.join(METHODS)})")
+    sparsities = [float(s) for s in args.sparsities.split(",")]
+    for name in models:
+        run_model(MODELS[name], methods, sparsities, args.nsamples, args.eval_tokens)
+        print((RESULTS / f"quality_{name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

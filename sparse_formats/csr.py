@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from sparse_formats.base import register
+from sparse_formats.bitmap import DECODE_BLOCK
 from sparse_formats.checks import (
     check_encode_inputs,
     first_index,
@@ -40,12 +41,18 @@ class CsrFormat:
         }
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scatter in blocks of rows that fit in cache, as `bitmap` does."""
         rows, cols = read_shape(tensors, self.name)
-        values, row_ptr = tensors["values"], tensors["row_ptr"].numpy()
-        row_ids = np.repeat(np.arange(rows, dtype=np.int64), np.diff(row_ptr))
-        dense = np.zeros(rows * cols, dtype=raw_bits(values).dtype)
-        dense[row_ids * cols + tensors["col_indices"].numpy()] = raw_bits(values)
-        return from_raw_bits(dense.reshape(rows, cols), values.dtype)
+        values, row_ptr = raw_bits(tensors["values"]), tensors["row_ptr"].numpy()
+        col_indices = tensors["col_indices"].numpy()
+        dense = np.zeros((rows, cols), dtype=values.dtype)
+        block = max(1, DECODE_BLOCK // max(cols, 1))
+        for first in range(0, rows, block):
+            last = min(first + block, rows)
+            begin, end = row_ptr[first], row_ptr[last]
+            local_rows = np.repeat(np.arange(last - first, dtype=np.int64), np.diff(row_ptr[first:last + 1]))
+            dense[first:last].reshape(-1)[local_rows * cols + col_indices[begin:end]] = values[begin:end]
+        return from_raw_bits(dense, tensors["values"].dtype)
 
     def check(self, tensors: dict[str, torch.Tensor]) -> None:
         rows, cols = read_shape(tensors, self.name)

@@ -40,12 +40,20 @@ SPARSE_KERNEL_MAX_M = 128
 
 
 @triton.jit
-def _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP: tl.constexpr):
+def _load_group(bitmap_ptr, offsets_ptr, values_ptr, group, rows_to_load, GROUP: tl.constexpr):
+    """A group's 64 bitmap words (one per row) and a pointer to its first value; loops fetch the next
+    group's while they expand the current one, so that this DRAM round trip overlaps the gathers.
+    `rows_to_load` is GROUP, or 0 past the last group (group_offsets has one entry more than groups)."""
+    rows = tl.arange(0, GROUP)
+    words = tl.load(bitmap_ptr + group * GROUP + rows, mask=rows < rows_to_load, other=0)
+    return words, values_ptr + tl.load(offsets_ptr + group)
+
+
+@triton.jit
+def _group_bytes(words, group_values, GROUP: tl.constexpr):
     """A group's bitmap as [rows, 8] bytes (byte b = columns 8b .. 8b+7), and for each byte a pointer to
     its first kept value (the group's first value + kept values in earlier rows + in earlier bytes)."""
-    rows = tl.arange(0, GROUP)
     byte_index = tl.arange(0, GROUP // 8)
-    words = tl.load(bitmap_ptr + group * GROUP + rows)  # int64, one word per row of the group
     low = words.to(tl.int32)
     high = (words >> 32).to(tl.int32)
     half = tl.where(byte_index[None, :] < 4, low[:, None], high[:, None])
@@ -56,8 +64,7 @@ def _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP: tl.constexpr
     before_byte = tl.cumsum(count, axis=1) - count
     per_row = tl.sum(count, axis=1)
     before_row = tl.cumsum(per_row, axis=0) - per_row
-    start = tl.load(offsets_ptr + group)
-    return byte, values_ptr + start + (before_row[:, None] + before_byte)
+    return byte, group_values + (before_row[:, None] + before_byte)
 
 
 @triton.jit
@@ -65,13 +72,13 @@ def _plane(value_ptrs, byte, J: tl.constexpr):
     """Bit J of every byte (column 8b + J): its value (0 where pruned), and the pointers advanced past it
     (one 32x32+64-bit multiply-add per weight, no separate index arithmetic)."""
     bit = (byte >> J) & 1
-    return tl.load(value_ptrs, mask=bit.to(tl.int1), other=0.0), value_ptrs + bit
+    return tl.load(value_ptrs, mask=bit != 0, other=0.0), value_ptrs + bit
 
 
 @triton.jit
-def _expand_group(bitmap_ptr, values_ptr, offsets_ptr, group, GROUP: tl.constexpr):
+def _expand_group(words, group_values, GROUP: tl.constexpr):
     """The dense [GROUP rows, GROUP cols] tile of one group in the values' dtype, zeros where pruned."""
-    byte, value_ptrs = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP)
+    byte, value_ptrs = _group_bytes(words, group_values, GROUP)
     w0, value_ptrs = _plane(value_ptrs, byte, 0)
     w1, value_ptrs = _plane(value_ptrs, byte, 1)
     w2, value_ptrs = _plane(value_ptrs, byte, 2)
@@ -123,14 +130,20 @@ def _tiled_bitmap_gemv_kernel(x_ptr, bitmap_ptr, values_ptr, offsets_ptr, bias_p
     byte_index = tl.arange(0, GROUP // 8)
     acc = tl.zeros((GROUP, GROUP // 8), dtype=tl.float32)
     first = split * groups_per_split
-    for col_group in range(first, tl.minimum(first + groups_per_split, col_groups)):
-        group = row_group * col_groups + col_group
-        byte, value_ptrs = _group_bytes(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP)
+    end = tl.minimum(first + groups_per_split, col_groups)
+    group = row_group * col_groups + first
+    words, group_values = _load_group(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP, GROUP)
+    for col_group in range(first, end):
+        next_rows = tl.where(col_group + 1 < end, GROUP, 0)
+        next_words, next_values = _load_group(bitmap_ptr, offsets_ptr, values_ptr, group + 1, next_rows,
+                                              GROUP)
+        byte, value_ptrs = _group_bytes(words, group_values, GROUP)
         ks = col_group * GROUP + byte_index * 8
         for j in tl.static_range(8):
             w, value_ptrs = _plane(value_ptrs, byte, j)
             x = tl.load(x_ptr + ks + j, mask=ks + j < K, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        words, group_values, group = next_words, next_values, group + 1
     ns = row_group * GROUP + tl.arange(0, GROUP)
     _finish(tl.sum(acc, axis=1)[None, :], tl.arange(0, 1), ns, 1, N, bias_ptr, out_ptr, 0, partial_ptr,
             ticket_ptr + row_group, split, n_splits, HAS_BIAS)
@@ -149,8 +162,15 @@ def _tiled_bitmap_mm_kernel(x_ptr, bitmap_ptr, values_ptr, offsets_ptr, bias_ptr
     ms = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
     first = split * groups_per_split
-    for col_group in range(first, tl.minimum(first + groups_per_split, col_groups)):
-        w = _expand_group(bitmap_ptr, values_ptr, offsets_ptr, row_group * col_groups + col_group, GROUP)
+    end = tl.minimum(first + groups_per_split, col_groups)
+    group = row_group * col_groups + first
+    words, group_values = _load_group(bitmap_ptr, offsets_ptr, values_ptr, group, GROUP, GROUP)
+    for col_group in range(first, end):
+        next_rows = tl.where(col_group + 1 < end, GROUP, 0)
+        next_words, next_values = _load_group(bitmap_ptr, offsets_ptr, values_ptr, group + 1, next_rows,
+                                              GROUP)
+        w = _expand_group(words, group_values, GROUP)
+        words, group_values, group = next_words, next_values, group + 1
         ks = col_group * GROUP + lanes
         x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=(ms[:, None] < M) & (ks[None, :] < K),
                     other=0.0)
@@ -168,7 +188,9 @@ def _tiled_bitmap_decode_kernel(bitmap_ptr, values_ptr, offsets_ptr, out_ptr, N,
                                 GROUP: tl.constexpr):
     row_group = tl.program_id(0)
     col_group = tl.program_id(1)
-    w = _expand_group(bitmap_ptr, values_ptr, offsets_ptr, row_group * col_groups + col_group, GROUP)
+    words, group_values = _load_group(bitmap_ptr, offsets_ptr, values_ptr, row_group * col_groups + col_group,
+                                      GROUP, GROUP)
+    w = _expand_group(words, group_values, GROUP)
     lanes = tl.arange(0, GROUP)
     ns = row_group * GROUP + lanes
     ks = col_group * GROUP + lanes

@@ -64,6 +64,15 @@ if not _CHILD:
         bias = torch.randn(37, generator=generator)
         _assert_close(tiled_bitmap_linear(x, tensors, bias), _reference(x, dense, bias))
 
+    def test_shape_off_the_cpu_is_refused():
+        """Reading a device-side shape would sync the GPU every call and break CUDA-graph capture."""
+        pytest.importorskip("triton")
+        from serving.kernels.tiled_bitmap_triton import tiled_bitmap_linear
+
+        tensors, _, _ = _problem(8, 16, 0.5, torch.float32, seed=10)
+        with pytest.raises(ValueError, match="must stay on the CPU"):
+            tiled_bitmap_linear(torch.zeros(2, 16), {**tensors, "shape": tensors["shape"].to("meta")})
+
 else:
     from serving.kernels.tiled_bitmap_triton import (
         SPARSE_KERNEL_MAX_M,

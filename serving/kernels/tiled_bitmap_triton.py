@@ -198,7 +198,10 @@ def _tiled_bitmap_decode_kernel(bitmap_ptr, values_ptr, offsets_ptr, out_ptr, N,
 
 
 def _shape(tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
-    rows, cols = tensors["shape"].tolist()
+    shape = tensors["shape"]
+    if shape.device.type != "cpu":  # reading it would sync the GPU, and fail inside CUDA-graph capture
+        raise ValueError(f"tiled-bitmap tensors['shape'] must stay on the CPU, it is on {shape.device}")
+    rows, cols = shape.tolist()
     return int(rows), int(cols)
 
 

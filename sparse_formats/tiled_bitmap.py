@@ -92,7 +92,7 @@ class TiledBitmapFormat:
         ng, kg = bitmap.shape[:2]
         as_int = values.cpu().view(_SAME_SIZE_INT[values.element_size()]).numpy()
         grouped = np.zeros(ng * kg * GROUP * GROUP, dtype=as_int.dtype)
-        np.place(grouped, _unpack_group_mask(bitmap), as_int)
+        grouped[np.flatnonzero(_unpack_group_mask(bitmap))] = as_int  # about 2x faster than np.place
         dense = torch.from_numpy(grouped).view(ng, kg, GROUP, GROUP).permute(0, 2, 1, 3)
         dense = dense.reshape(ng * GROUP, kg * GROUP)[:rows, :cols].contiguous()
         return dense.view(values.dtype).to(values.device)

@@ -10,10 +10,11 @@ replayed 15 times under CUDA events; the figure is the median time per call. The
 (only the sparsity pattern's density matters to the kernel) and made on the GPU machine itself.
 
 Writes bench/results/kernels_<device>_<date>.json (one row per measurement: device, shape [n, k], m,
-sparsity, dtype, dense_us, sparse_us, speedup, bandwidth_fraction = bytes the sparse call must move /
-time / peak HBM bandwidth, plus fallback_us: expand to dense + cuBLAS, the prefill path) and a PNG plot
-of speedup against M next to it, and a split-K sweep at M = 1 (<...>_splits.json) to tune the launch
-heuristic.
+sparsity, dtype, dense_us, sparse_us (what `tiled_bitmap_linear` dispatches to), speedup,
+bandwidth_fraction = bytes the sparse call must move / time / peak HBM bandwidth; plus fallback_us:
+expand to dense + cuBLAS, and kernel_us: the sparse kernel even above SPARSE_KERNEL_MAX_M; at 50% also
+M = 256, 1024, 4096, which is where that threshold is read off), a PNG plot of speed-up against M,
+and a split-K x num_warps sweep at M = 1 (<...>_splits.json) to tune the launch heuristic.
 """
 
 import argparse

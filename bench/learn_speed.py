@@ -120,6 +120,13 @@ def run_variant(variant: str, args: dict, results) -> None:
     results[variant] = result
 
 
+def _growth(result: dict) -> int:
+    """Peak memory minus what was held before the first step (model, Python, torch)."""
+    if "cuda_peak_allocated_bytes" in result:
+        return result["cuda_peak_allocated_bytes"] - result["cuda_allocated_before_steps_bytes"]
+    return result["process_peak_rss_bytes"] - result["rss_before_steps_bytes"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -148,10 +155,11 @@ def main() -> None:
                 raise SystemExit(f"{variant} step failed (exit {child.exitcode})")
         results = dict(results)
     learn, finetune = results["learn"], results["finetune"]
+    cpu_name = f"CPU {platform.machine()}, {options.threads or torch.get_num_threads()} threads"
     summary = {
         "settings": args,
         "shape": SHAPES[options.shape],
-        "device": torch.cuda.get_device_name() if options.device.startswith("cuda") else platform.processor(),
+        "device": torch.cuda.get_device_name() if options.device.startswith("cuda") else cpu_name,
         "torch": torch.__version__,
         "finetune": finetune,
         "learn": learn,
@@ -165,13 +173,14 @@ def main() -> None:
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     rows = [
-        "| step | tokens/s | s/step | trainable params | peak memory (MiB) |",
-        "| --- | --- | --- | --- | --- |",
+        "| step | tokens/s | s/step | trainable params | peak memory (MiB) | growth during steps (MiB) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in ("finetune", "learn"):
         r = results[name]
         rows.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['seconds_per_step']:.3f} | "
-                    f"{r['trainable_parameters']:,} | {r[memory_key] / 2**20:.0f} |")  # fmt: skip
+                    f"{r['trainable_parameters']:,} | {r[memory_key] / 2**20:.0f} | "
+                    f"{_growth(r) / 2**20:.0f} |")  # fmt: skip
     table = "\n".join(rows)
     text = (
         f"shape `{options.shape}` {SHAPES[options.shape]}, batch {options.batch} x {options.seq_len} tokens, "

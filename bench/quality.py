@@ -85,6 +85,38 @@ METHODS: dict[str, Callable[..., MaskSet]] = {
 }
 
 
+# LEAP (leapctl learn) per model: the CPU budget of this benchmark, chosen so that a run takes minutes.
+# Each run learns from the model's own calibration source (`generated`, `wiki-summaries`) and is
+# initialised from Wanda on the same calibration windows the one-shot methods use.
+LEAP_SETTINGS: dict[str, dict] = {
+    "stories260k": dict(steps=100, batch_size=16, seq_len=256, lr=0.1, init="wanda-small",
+                        calib_tokens=65536),
+    "smollm2-135m": dict(steps=24, batch_size=2, micro_batch_size=1, seq_len=512, lr=0.05, init="wanda-small",
+                         calib_tokens=262144),
+}
+
+
+def _leap(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float,
+          setup: ModelSetup) -> MaskSet:
+    """Learn a LEAP mask in a scratch run folder, then zero the same weights of `model`."""
+    import tempfile
+
+    from leapctl.learn import LearnConfig, learn_masks
+    from leapctl.masks import apply_masks, load_masks
+
+    with tempfile.TemporaryDirectory(prefix="leap-bench-") as scratch:
+        out = Path(scratch) / "run"
+        config = LearnConfig(model=setup.spec(), out=out, sparsity=sparsity, calib=setup.calib,
+                             nsamples=setup.nsamples, seed=setup.seed, **LEAP_SETTINGS[setup.name])
+        learn_masks(config)
+        masks = load_masks(out / "masks.safetensors")
+    apply_masks(model, masks)
+    return masks
+
+
+METHODS["leap"] = _leap
+
+
 def _eval_text(setup: ModelSetup, tokenizer, max_tokens: int | None) -> str:
     """The evaluation text, optionally cut at a paragraph boundary after about `max_tokens` tokens."""
     text = setup.eval_text()

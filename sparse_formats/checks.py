@@ -1,6 +1,8 @@
 """Shared validation helpers for format `check()` functions: each failure is a `FormatError` that names
 the format, the tensor and what is wrong, so that `leapctl validate` can print it as is."""
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -64,3 +66,38 @@ def raw_bits(tensor: torch.Tensor) -> np.ndarray:
 
 def from_raw_bits(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(array).view(dtype)
+
+
+ENCODE_BLOCK = 1 << 18
+"""Weights per encode block. Encoders compact kept values block by block into a preallocated array:
+`np.compress` makes int64 positions of the kept weights (8 bytes each), and for a 4096x14336 matrix those
+are 470 MB streamed through memory; a block's mask, values and positions (about 4 MB at most) stay in
+cache instead. Read at call time so that tests can shrink it to exercise many blocks on small shapes."""
+
+
+def blocks(count: int, weights_each: int) -> Iterator[tuple[int, int]]:
+    """[first, last) ranges over `count` items (rows, tiles) of `weights_each` weights, about
+    ENCODE_BLOCK weights per range and at least one item."""
+    per_block = max(1, ENCODE_BLOCK // max(weights_each, 1))
+    for first in range(0, count, per_block):
+        yield first, min(first + per_block, count)
+
+
+def packed_words(keep: np.ndarray, row_multiple: int) -> np.ndarray:
+    """A bool [rows, cols] mask as a little-endian row-packed bitmap of uint64 words, zero-padded to
+    [rows rounded up to `row_multiple`, ceil(cols/64)]: bit c of word j is column 64j + c.
+
+    Tiled layouts are 64 columns wide, so their bitmap words and per-tile counts (`np.bitwise_count`) come
+    from this one `packbits` pass over the mask instead of a per-bit pass over a tile-ordered copy."""
+    packed = np.packbits(keep, axis=1, bitorder="little")
+    rows, row_bytes = packed.shape
+    padded = np.zeros((-(-rows // row_multiple) * row_multiple, -(-row_bytes // 8) * 8), dtype=np.uint8)
+    padded[:rows, :row_bytes] = packed
+    return padded.view("<u8")
+
+
+def exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
+    """int64 [n + 1]: 0, then the running totals of `counts` (where each block's values start)."""
+    starts = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return starts

@@ -14,6 +14,7 @@ import torch
 from sparse_formats.base import register
 from sparse_formats.bitmap import DECODE_BLOCK
 from sparse_formats.checks import (
+    blocks,
     check_encode_inputs,
     first_index,
     from_raw_bits,
@@ -29,15 +30,32 @@ class CsrFormat:
     name = "csr"
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Blocks of rows as in `bitmap`: each block's kept positions are found once, in cache, and give
+        its values, its columns and its row pointers. Columns are gathered from a column ramp with the
+        same positions, about 5x cheaper than an int64 `%`."""
         check_encode_inputs(weight, mask)
-        keep = mask.contiguous().numpy()
-        flat = np.flatnonzero(keep)
-        counts = np.count_nonzero(keep, axis=1).astype(np.int64)
+        keep, bits = mask.contiguous().numpy(), raw_bits(weight)
+        rows, cols = keep.shape
+        nnz = np.count_nonzero(keep)
+        values = np.empty(nnz, dtype=bits.dtype)
+        col_indices = np.empty(nnz, dtype=np.int32)
+        row_ptr = np.zeros(rows + 1, dtype=np.int64)
+        row_blocks = list(blocks(rows, cols))
+        ramp = np.tile(np.arange(cols, dtype=np.int32), row_blocks[0][1] if row_blocks else 0)
+        begin = 0
+        for first, last in row_blocks:
+            kept = np.flatnonzero(keep[first:last])
+            end = begin + kept.size
+            np.take(bits[first:last].reshape(-1), kept, out=values[begin:end])
+            np.take(ramp, kept, out=col_indices[begin:end])
+            row_ends = np.arange(1, last - first + 1, dtype=np.int64) * cols
+            row_ptr[first + 1:last + 1] = begin + np.searchsorted(kept, row_ends)
+            begin = end
         return {
             "shape": shape_tensor(weight),
-            "values": from_raw_bits(raw_bits(weight).reshape(-1).take(flat), weight.dtype),
-            "col_indices": torch.from_numpy((flat % max(weight.shape[1], 1)).astype(np.int32)),
-            "row_ptr": torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])),
+            "values": from_raw_bits(values, weight.dtype),
+            "col_indices": torch.from_numpy(col_indices),
+            "row_ptr": torch.from_numpy(row_ptr),
         }
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

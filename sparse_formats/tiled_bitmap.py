@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sparse_formats.base import register
+from sparse_formats.checks import blocks, exclusive_cumsum, packed_words, raw_bits
 from sparse_formats.errors import FormatError
 
 GROUP = 64
@@ -52,6 +53,11 @@ def _to_group_order(dense: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(array.reshape(ng, GROUP, kg, GROUP).transpose(0, 2, 1, 3)).reshape(-1)
 
 
+def _group_order(band: np.ndarray) -> np.ndarray:
+    """A [64, n*64] slice of one row group -> its n groups one after the other, each row-major (flat)."""
+    return band.reshape(GROUP, -1, GROUP).transpose(1, 0, 2).reshape(-1)
+
+
 def _unpack_group_mask(bitmap: torch.Tensor) -> np.ndarray:
     """int64 [NG, KG, 64] -> flat bool in group order (bit c of word r is row r, column c of the group)."""
     as_bytes = bitmap.cpu().contiguous().numpy().view(np.uint8)  # little-endian: byte b = columns 8b..8b+7
@@ -68,20 +74,33 @@ class TiledBitmapFormat:
     name = "tiled-bitmap"
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A group's 64 words are bytes 8gj..8gj+7 of its 64 rows in the row-packed bitmap, so the bitmap
+        and the group counts come from one `packbits` of the mask. Values are compacted a block of groups
+        at a time (one row group, `ENCODE_BLOCK` weights of column groups), each block put in group order
+        in cache and written at its precomputed offset, instead of reordering the whole matrix first."""
         if weight.dim() != 2 or mask.shape != weight.shape:
             raise ValueError(f"weight must be 2-D and mask the same shape, got {tuple(weight.shape)} "
                              f"and {tuple(mask.shape)}")
         rows, cols = weight.shape
         ng, kg = _groups(rows), _groups(cols)
-        keep = _to_group_order(mask.to(torch.bool))
-        values = np.compress(keep, _to_group_order(weight))
-        words = np.packbits(keep, bitorder="little").view(np.int64).reshape(ng, kg, GROUP)
-        bitmap = torch.from_numpy(words)
-        offsets = np.zeros(ng * kg + 1, dtype=np.int64)
-        np.cumsum(_group_counts(bitmap), out=offsets[1:])
+        keep = mask.to(torch.bool).cpu().contiguous().numpy()
+        words = packed_words(keep, GROUP).reshape(ng, GROUP, kg).transpose(0, 2, 1)
+        words = np.ascontiguousarray(words)
+        offsets = exclusive_cumsum(np.bitwise_count(words).sum(axis=2, dtype=np.int64).reshape(-1))
+        bits = raw_bits(weight.cpu())
+        if (rows, cols) != (ng * GROUP, kg * GROUP):
+            padding = ((0, ng * GROUP - rows), (0, kg * GROUP - cols))
+            keep, bits = np.pad(keep, padding), np.pad(bits, padding)
+        values = np.empty(offsets[-1], dtype=bits.dtype)
+        for gi in range(ng):
+            band = slice(gi * GROUP, (gi + 1) * GROUP)
+            for first, last in blocks(kg, GROUP * GROUP):
+                span = slice(first * GROUP, last * GROUP)
+                np.compress(_group_order(keep[band, span]), _group_order(bits[band, span]),
+                            out=values[offsets[gi * kg + first]:offsets[gi * kg + last]])
         device = weight.device
         return {"shape": torch.tensor([rows, cols], dtype=torch.int64),
-                "bitmap": bitmap.to(device),
+                "bitmap": torch.from_numpy(words.view(np.int64)).to(device),
                 "values": torch.from_numpy(values).view(weight.dtype).to(device),
                 "group_offsets": torch.from_numpy(offsets).to(device)}
 

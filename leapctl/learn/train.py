@@ -557,14 +557,14 @@ class _progress_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
-                TextColumn("learning masks"),
-                BarColumn(),
+                TextColumn("learn"),
+                BarColumn(bar_width=16),
                 MofNCompleteColumn(),
-                TextColumn(
-                    "lm {task.fields[lm]:.4f}  density {task.fields[density]:.4f}  "
-                    "alpha {task.fields[alpha]:.0f}  tau {task.fields[tau]:.3f}  {task.fields[tps]:.0f} tok/s"
-                ),
                 TimeRemainingColumn(),
+                TextColumn(
+                    "lm {task.fields[lm]:.3f} dens {task.fields[density]:.3f} "
+                    "α {task.fields[alpha]:.0f} τ {task.fields[tau]:.2f} {task.fields[tps]:.0f} tok/s"
+                ),
                 console=Console(stderr=True),
             )
             self.progress.start()

@@ -31,9 +31,12 @@ import torch
 
 from sparse_formats.base import register
 from sparse_formats.checks import (
+    blocks,
     check_encode_inputs,
+    exclusive_cumsum,
     first_index,
     from_raw_bits,
+    packed_words,
     raw_bits,
     read_shape,
     require,
@@ -53,13 +56,11 @@ def _grid(rows: int, cols: int) -> tuple[int, int]:
     return -(-rows // TILE_ROWS), -(-cols // TILE_COLS)
 
 
-def _to_tiles(matrix: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
-    """[rows, cols] -> [n_tiles, 8192], zero-padded, each tile row-major."""
-    tile_rows, tile_cols = grid
-    padded = np.zeros((tile_rows * TILE_ROWS, tile_cols * TILE_COLS), dtype=matrix.dtype)
-    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
-    tiles = padded.reshape(tile_rows, TILE_ROWS, tile_cols, TILE_COLS).transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(tiles).reshape(tile_rows * tile_cols, TILE_SIZE)
+def _tile_order(band: np.ndarray) -> np.ndarray:
+    """A [128, n*64] slice of one tile row -> a new [n, 8192] array, each tile row-major (always a copy,
+    even where a view would do: the encoder writes padding into it)."""
+    tiles = band.reshape(TILE_ROWS, -1, TILE_COLS).transpose(1, 0, 2)
+    return np.array(tiles, copy=True).reshape(-1, TILE_SIZE)
 
 
 def _swizzle(position: np.ndarray) -> np.ndarray:
@@ -70,6 +71,7 @@ def _swizzle(position: np.ndarray) -> np.ndarray:
 
 # The swizzle of every in-tile position, looked up instead of recomputed (a 32 KiB table stays in L1).
 SWIZZLE = _swizzle(np.arange(TILE_SIZE, dtype=np.int32))
+SWIZZLE_HIGH = SWIZZLE << 16  # as it sits in a word, for the encoder
 
 
 def _padding_positions(kept: np.ndarray, padding: np.ndarray) -> np.ndarray:
@@ -87,25 +89,48 @@ def _padding_positions(kept: np.ndarray, padding: np.ndarray) -> np.ndarray:
     return chosen
 
 
+def _encode_tiles(kept: np.ndarray, bits: np.ndarray, padding: np.ndarray, out: np.ndarray) -> None:
+    """Words of a block of tiles (bool and int16 [n, 8192] in tile order, `bits` a scratch copy) into
+    `out`: kept entries and each tile's zero padding in row-major order, swizzled position high, value
+    bits low. Padding is zeroed in the block before the gather, one pass over cached data."""
+    padded = _padding_positions(kept, padding)
+    np.copyto(bits, 0, where=padded)  # padding entries hold zero, whatever the pruned weight was
+    stored = np.flatnonzero(kept | padded)
+    values = bits.reshape(-1).take(stored).view(np.uint16)
+    np.bitwise_or(SWIZZLE_HIGH[stored & (TILE_SIZE - 1)], values, out=out)
+
+
 class TiledCslFormat:
     name = "tiled-csl"
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Tile counts (hence padding and offsets) come from one `packbits` of the mask: a tile is 128
+        rows of one 64-bit word each. Words are then built a block of tiles at a time (one tile row,
+        `ENCODE_BLOCK` weights of column tiles), each block put in tile order in cache and written at its
+        precomputed offset, instead of reordering the whole matrix and its int64 positions first."""
         check_encode_inputs(weight, mask)
         if weight.dtype not in VALUE_DTYPES:
             raise ValueError(f"tiled-csl stores 16-bit values (float16 or bfloat16), got {weight.dtype}; "
                              f"cast the weight first")
-        grid = _grid(*weight.shape)
-        kept = _to_tiles(mask.contiguous().numpy(), grid)
-        counts = np.count_nonzero(kept, axis=1)
+        rows, cols = weight.shape
+        tile_rows, tile_cols = _grid(rows, cols)
+        keep, bits = mask.contiguous().numpy(), raw_bits(weight)
+        row_words = packed_words(keep, TILE_ROWS).reshape(tile_rows, TILE_ROWS, tile_cols)
+        counts = np.bitwise_count(row_words).sum(axis=1, dtype=np.int64).reshape(-1)
         padding = ((-counts) % VECTOR).astype(np.int16)
-        padded = _padding_positions(kept, padding)
-        stored = np.flatnonzero(kept | padded)
-        bits = _to_tiles(raw_bits(weight), grid).reshape(-1).take(stored).astype(np.int32) & 0xFFFF
-        bits[padded.reshape(-1)[stored]] = 0  # padding entries hold zero, whatever the pruned weight was
-        words = (SWIZZLE[stored & (TILE_SIZE - 1)] << 16) | bits
-        ends = np.cumsum((counts + padding) // VECTOR).astype(np.int32)
-        offsets = np.concatenate([[0], ends, ends[-1:] if ends.size else [0]]).astype(np.int32)
+        starts = exclusive_cumsum((counts + padding) // VECTOR)
+        if (rows, cols) != (tile_rows * TILE_ROWS, tile_cols * TILE_COLS):
+            pad_to = ((0, tile_rows * TILE_ROWS - rows), (0, tile_cols * TILE_COLS - cols))
+            keep, bits = np.pad(keep, pad_to), np.pad(bits, pad_to)
+        words = np.empty(VECTOR * starts[-1], dtype=np.int32)
+        for ti in range(tile_rows):
+            band = slice(ti * TILE_ROWS, (ti + 1) * TILE_ROWS)
+            for first, last in blocks(tile_cols, TILE_SIZE):
+                span = slice(first * TILE_COLS, last * TILE_COLS)
+                tiles = slice(ti * tile_cols + first, ti * tile_cols + last)
+                _encode_tiles(_tile_order(keep[band, span]), _tile_order(bits[band, span]), padding[tiles],
+                              out=words[VECTOR * starts[tiles.start]:VECTOR * starts[tiles.stop]])
+        offsets = np.concatenate([starts, starts[-1:]]).astype(np.int32)
         return {
             "shape": shape_tensor(weight),
             "words": torch.from_numpy(words),

@@ -1,0 +1,37 @@
+"""Block-wise encoders: the output must not depend on the block size, and encoding must leave its inputs
+untouched (some encoders write into per-block scratch arrays that, for some shapes, could be views)."""
+
+import pytest
+import torch
+
+from sparse_formats import FORMATS, checks, get_format
+
+
+def case(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+    return weight, torch.rand(rows, cols, generator=gen) < 0.4
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("shape", [(300, 200), (256, 128), (129, 65)])
+def test_block_size_does_not_change_the_encoding(fmt_name, shape, monkeypatch):
+    weight, mask = case(*shape, seed=shape[0])
+    fmt = get_format(fmt_name)
+    whole = fmt.encode(weight, mask)  # the default block covers every test shape in one block
+    monkeypatch.setattr(checks, "ENCODE_BLOCK", 1)  # one row / group / tile per block
+    blocked = fmt.encode(weight, mask)
+    assert whole.keys() == blocked.keys()
+    for key in whole:
+        assert whole[key].dtype == blocked[key].dtype, key
+        assert torch.equal(whole[key].view(torch.uint8), blocked[key].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("shape", [(128, 64), (64, 64), (8, 8)])
+def test_encode_leaves_its_inputs_unchanged(fmt_name, shape):
+    weight, mask = case(*shape, seed=1)
+    weight_before, mask_before = weight.clone(), mask.clone()
+    get_format(fmt_name).encode(weight, mask)
+    assert torch.equal(weight.view(torch.int16), weight_before.view(torch.int16))
+    assert torch.equal(mask, mask_before)

@@ -100,8 +100,11 @@ def evaluate_models(models: list[str], ppl_texts: list[PplText], tasks: list[str
         entry: dict = {"model": spec, "sparsity": measured_sparsity(model), "perplexity": {}, "zeroshot": {}}
         window = seq_len or default_seq_len(model)
         for ppl_text in ppl_texts:
-            nll, count = windowed_nll(model, tokenizer, ppl_text.text, window, batch_size=batch_size,
-                                      progress=progress)
+            try:
+                nll, count = windowed_nll(model, tokenizer, ppl_text.text, window, batch_size=batch_size,
+                                          progress=progress)
+            except LeapctlError as exc:
+                raise LeapctlError(f"--ppl {ppl_text.name}: {exc}") from None
             scores = {"ppl": math.exp(nll / count), "seq_len": window, "tokens": count}
             if ppl_text.has_documents:
                 doc_nll, doc_count = documents_nll(model, tokenizer, split_documents(ppl_text.text),

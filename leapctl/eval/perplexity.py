@@ -60,7 +60,7 @@ def perplexity(model: torch.nn.Module, tokenizer, text: str, seq_len: int | None
 def perplexity_documents(model: torch.nn.Module, tokenizer, docs: list[str],
                          device: str | torch.device | None = None, progress: bool = True) -> float:
     """Perplexity with each document scored on its own from BOS, weighted by predicted tokens.
-    A document longer than the model's context is scored in consecutive context-long pieces."""
+    A document longer than the model's context (capped at 4096) is scored in consecutive pieces of it."""
     nll, count = documents_nll(model, tokenizer, docs, device, progress)
     return math.exp(nll / count)
 
@@ -94,11 +94,11 @@ def documents_nll(model: torch.nn.Module, tokenizer, docs: list[str],
     """Summed NLL (nats) and number of predicted tokens behind `perplexity_documents`."""
     if not docs:
         raise LeapctlError("no documents to score")
-    context = getattr(model.config, "max_position_embeddings", None) or MAX_DEFAULT_SEQ_LEN
+    context = default_seq_len(model)
     total, count = 0.0, 0
     for doc in _progress(docs, "documents", progress):
         ids = document_ids(tokenizer, doc)
-        for piece in ids.split(int(context)):
+        for piece in ids.split(context):
             if piece.numel() < 2:
                 continue
             piece_nll, piece_count = _sequence_nll(model, piece.unsqueeze(0), device)

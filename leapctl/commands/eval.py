@@ -14,8 +14,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @app.command("eval")
 def eval_models(
-    models: list[str] = typer.Argument(..., help="Models: local HF folders (run folders of prune/learn), "
-                                                 "hub ids or built-in names; evaluated one after another."),
+    models: list[str] = typer.Argument(..., metavar="MODEL",
+                                       help="Local HF folders (run folders of prune/learn), hub ids or "
+                                            "built-in names; evaluated one after another."),
     ppl: list[str] = typer.Option([], "--ppl", help="Perplexity text: a file (repeatable) or 'wikitext2' "
                                                    "(WikiText-2 test from the shared assets). Default: "
                                                    "wikitext2 when no --tasks are given."),

@@ -18,6 +18,7 @@ from leapctl.learn.mask import (
     MaskState,
     attach_masks,
     hard_masks,
+    init_logits,
     logistic_noise,
     noise_seed,
     soft_mask,
@@ -136,6 +137,16 @@ def test_checkpointed_block_gives_the_same_gradients(tiny_checkpoint):
         grads.append(torch.cat([layer.mask_logits.grad.flatten() for layer in masked.values()]))
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+
+
+def test_initial_logits_follow_the_wanda_mask():
+    keep = {"w": torch.rand(64, 32, generator=torch.Generator().manual_seed(0)) < 0.5}
+    paper = init_logits(keep, "wanda", 3.0, torch.Generator().manual_seed(0))["w"]
+    assert torch.equal(paper, torch.where(keep["w"], 3.0, -3.0))
+    small = init_logits(keep, "wanda-small", 3.0, torch.Generator().manual_seed(1))["w"]
+    # authors' code: N(0, 0.014) around +-3 * 0.014, so the sign follows the mask but for a 3-sigma tail
+    assert (small > 0).ne(keep["w"]).float().mean() < 0.01
+    assert abs(small[keep["w"]].mean().item() - 0.042) < 0.003 and abs(small.std().item() - 0.044) < 0.004
 
 
 # ---------------------------------------------------------------- hard masks

@@ -30,11 +30,11 @@ READY_PREFIX = "leapctl serve: ready at "
 def verify_manifest(export_dir: Path) -> None:
     """The export's manifest check (`leapctl validate` runs the same one): every listed file present with
     its size and sha256, nothing unlisted; the first problem becomes the error."""
-    from leapctl.validate import Report, _check_files, read_manifest
+    from leapctl.validate import Report, check_files, read_manifest
 
     manifest = read_manifest(export_dir)
     report = Report(export_dir, manifest.get("format", ""))
-    _check_files(export_dir, manifest, report)
+    check_files(export_dir, manifest, report)
     if report.failures:
         first = report.failures[0]
         more = f" (and {len(report.failures) - 1} more problems)" if len(report.failures) > 1 else ""

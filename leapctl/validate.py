@@ -87,7 +87,7 @@ def validate(export_dir: Path, reference: str | None = None, prompts: list[str] 
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     report = Report(export_dir, manifest["format"])
-    _check_files(export_dir, manifest, report)
+    check_files(export_dir, manifest, report)
     ref = _reference(manifest, reference, report)
     prompts = prompts or PROMPTS
     if manifest["format"] == ONNX and end_to_end:
@@ -110,7 +110,7 @@ def validate(export_dir: Path, reference: str | None = None, prompts: list[str] 
     return report
 
 
-def _check_files(export_dir: Path, manifest: dict, report: Report) -> None:
+def check_files(export_dir: Path, manifest: dict, report: Report) -> None:
     listed = manifest["files"]
     for name, info in listed.items():
         path = export_dir / name

@@ -3,6 +3,7 @@
 Each command lives in `leapctl/commands/<name>.py` and registers itself on `app`. Errors the user
 can fix (`LeapctlError`) become one line on stderr and exit status 2, never a traceback."""
 
+import os
 import sys
 
 import typer
@@ -40,7 +41,18 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def _quiet_libraries() -> None:
+    """Loading-progress bars and warnings from transformers and the hub would bury our own output and
+    break the one-line error rule; leapctl shows its own progress."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def main() -> None:
+    _quiet_libraries()
     import leapctl.commands  # noqa: F401  (registers the commands on `app`)
 
     # Standalone mode: typer reports its own usage errors (exit 2) and interrupts; a LeapctlError is not

@@ -34,7 +34,6 @@ def prune(
 ) -> None:
     """Prune MODEL one-shot and write the pruned checkpoint, its masks and a report to --out."""
     import torch
-    from transformers.utils import logging as hf_logging
 
     from leapctl.data import calibration_batch
     from leapctl.models import load_model
@@ -56,7 +55,6 @@ def prune(
                 raise LeapctlError(f"{flag} {pattern!r} is not a valid regular expression: {exc}") from None
     check_output_dir(out, overwrite)
 
-    hf_logging.disable_progress_bar()  # our own bars only; errors must stay one line
     net, tokenizer = load_model(model, dtype=getattr(torch, dtype))
     calibration = None
     if method in CALIBRATED:

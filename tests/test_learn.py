@@ -326,6 +326,33 @@ def test_learn_moves_the_mask_away_from_wanda(stories260k_dir, calib_file, tmp_p
     assert changed > 0
 
 
+def test_init_masks_file_gives_the_run_that_computing_wanda_gives(stories260k_dir, calib_file, tmp_path):
+    """Starting from a saved Wanda mask is the same run as computing that mask inside learn."""
+    from leapctl.data import calibration_batch
+    from leapctl.masks import MaskSet, save_masks
+    from leapctl.models import load_model
+    from leapctl.prune.wanda import wanda_masks
+
+    computed = _config(stories260k_dir, calib_file, tmp_path / "computed", steps=2)
+    learn_masks(computed)
+    model, tokenizer = load_model(str(stories260k_dir))
+    calib = calibration_batch(str(calib_file), tokenizer, computed.nsamples, computed.seq_len, computed.seed)
+    wanda = wanda_masks(model, calib, 0.5, in_place=False, progress=False)
+    save_masks(tmp_path / "wanda.safetensors", wanda)
+    learn_masks(_config(stories260k_dir, calib_file, tmp_path / "from-file", steps=2,
+                        init_masks=tmp_path / "wanda.safetensors"))
+    a = load_masks(tmp_path / "computed" / "masks.safetensors").masks
+    b = load_masks(tmp_path / "from-file" / "masks.safetensors").masks
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+    other_target = MaskSet({n: torch.ones_like(m) for n, m in wanda.masks.items()})
+    save_masks(tmp_path / "dense.safetensors", other_target)
+    with pytest.raises(LeapctlError, match="has sparsity 0.0000, the target is 0.5"):
+        learn_masks(_config(stories260k_dir, calib_file, tmp_path / "o",
+                            init_masks=tmp_path / "dense.safetensors"))
+    assert not (tmp_path / "o").exists()
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "leapctl", "learn", *args],

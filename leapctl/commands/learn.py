@@ -51,6 +51,9 @@ def learn(
         "wanda", "--init", help="wanda (+-scale), wanda-small (authors' code) or random."
     ),
     init_scale: float = typer.Option(3.0, "--init-scale", help="s of the +-s Wanda initialisation."),
+    init_masks: Path | None = typer.Option(
+        None, "--init-masks", help="Start from this mask file (a prune run's masks.safetensors), not Wanda."
+    ),
     nsamples: int = typer.Option(
         128, "--nsamples", help="Calibration sequences for the Wanda initialisation."
     ),
@@ -128,6 +131,7 @@ def learn(
         magnitude_term=not no_magnitude,
         init=init,
         init_scale=init_scale,
+        init_masks=init_masks,
         hard_mask=hard_mask,
         logits_dtype=logits_dtype,
         autocast=autocast,

@@ -54,6 +54,7 @@ class LearnConfig:
     magnitude_term: bool = True
     init: str = "wanda"
     init_scale: float = 3.0
+    init_masks: Path | None = None  # a mask file to start from (a prune run's) instead of computing Wanda
     hard_mask: str = "global"
     logits_dtype: str = "float32"
     autocast: bool = True  # bf16 autocast on CUDA (never on CPU)
@@ -121,6 +122,11 @@ class LearnConfig:
             raise LeapctlError("alpha and tau must be positive")
         if self.init not in INIT_MODES:
             raise LeapctlError(f"--init must be one of {', '.join(INIT_MODES)}, got {self.init!r}")
+        if self.init_masks is not None:
+            if self.init == "random":
+                raise LeapctlError("--init-masks goes with --init wanda or wanda-small, not random")
+            if not Path(self.init_masks).is_file():
+                raise LeapctlError(f"--init-masks {self.init_masks} does not exist")
         if self.hard_mask not in HARD_MASK_MODES:
             raise LeapctlError(
                 f"--hard-mask must be one of {', '.join(HARD_MASK_MODES)}, got {self.hard_mask!r}"

@@ -19,6 +19,7 @@ from sparse_formats.checks import (
     POPCOUNT,
     blocks,
     check_encode_inputs,
+    check_offsets_order,
     exclusive_cumsum,
     first_index,
     from_raw_bits,
@@ -99,13 +100,7 @@ def check_bitmap_layout(fmt: str, rows: int, cols: int, bitmap: torch.Tensor, va
                           f"{values.numel()} (bitmap/value count mismatch)")
     if rows == 0:
         return
-    if int(offsets[0]) != 0:
-        raise FormatError(f"{fmt}: {offsets_name}[0] is {int(offsets[0])}, expected 0")
-    steps = offsets[1:] - offsets[:-1]
-    if bool((steps < 0).any()):
-        row = first_index(steps < 0) + 1
-        raise FormatError(f"{fmt}: {offsets_name} is not monotone at row {row} "
-                          f"({int(offsets[row - 1])} then {int(offsets[row])})")
+    check_offsets_order(fmt, offsets_name, offsets, "row")
     expected = counts.cumsum(0) - counts
     if not torch.equal(offsets, expected):
         row = first_index(offsets != expected)

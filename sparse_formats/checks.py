@@ -58,6 +58,18 @@ def first_index(flags: torch.Tensor) -> int:
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def check_offsets_order(fmt: str, name: str, offsets: torch.Tensor, unit: str) -> None:
+    """Offsets into a values array start at 0 and never decrease; the error names the first entry that
+    falls below the one before it (`unit` says what an entry indexes: row, tile)."""
+    if int(offsets[0]) != 0:
+        raise FormatError(f"{fmt}: {name}[0] is {int(offsets[0])}, expected 0")
+    steps = offsets[1:] - offsets[:-1]
+    if bool((steps < 0).any()):
+        at = first_index(steps < 0) + 1
+        raise FormatError(f"{fmt}: {name} is not monotone at {unit} {at} "
+                          f"({int(offsets[at - 1])} then {int(offsets[at])})")
+
+
 def raw_bits(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bits as a numpy integer array (no copy when contiguous): numpy has no bf16, and
     moving bits rather than numbers keeps every round trip exact, -0.0 and NaN payloads included."""

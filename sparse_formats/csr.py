@@ -16,6 +16,7 @@ from sparse_formats.bitmap import DECODE_BLOCK
 from sparse_formats.checks import (
     blocks,
     check_encode_inputs,
+    check_offsets_order,
     first_index,
     from_raw_bits,
     raw_bits,
@@ -79,13 +80,7 @@ class CsrFormat:
         row_ptr = require(tensors, self.name, "row_ptr", torch.int64, 1)
         if row_ptr.numel() != rows + 1:
             raise FormatError(f"csr: row_ptr has {row_ptr.numel()} entries, expected {rows + 1} (rows + 1)")
-        if int(row_ptr[0]) != 0:
-            raise FormatError(f"csr: row_ptr[0] is {int(row_ptr[0])}, expected 0")
-        steps = row_ptr[1:] - row_ptr[:-1]
-        if bool((steps < 0).any()):
-            row = first_index(steps < 0)
-            raise FormatError(f"csr: row_ptr is not monotone at row {row} "
-                              f"({int(row_ptr[row])} then {int(row_ptr[row + 1])})")
+        check_offsets_order(self.name, "row_ptr", row_ptr, "row")
         nnz = int(row_ptr[-1])
         if values.numel() != nnz or col_indices.numel() != nnz:
             raise FormatError(f"csr: row_ptr ends at {nnz} but there are {values.numel()} values and "

@@ -33,6 +33,7 @@ from sparse_formats.base import register
 from sparse_formats.checks import (
     blocks,
     check_encode_inputs,
+    check_offsets_order,
     exclusive_cumsum,
     first_index,
     from_raw_bits,
@@ -160,21 +161,16 @@ class TiledCslFormat:
         if offsets.numel() != n_tiles + 2:
             raise FormatError(f"tiled-csl: tile_offsets has {offsets.numel()} entries, {n_tiles} tiles need "
                               f"{n_tiles + 2}")
-        if int(offsets[0]) != 0:
-            raise FormatError(f"tiled-csl: tile_offsets[0] is {int(offsets[0])}, expected 0")
-        steps = offsets[1:] - offsets[:-1]
-        if bool((steps < 0).any()):
-            tile = first_index(steps < 0)
-            raise FormatError(f"tiled-csl: tile_offsets is not monotone at tile {tile} "
-                              f"({int(offsets[tile])} then {int(offsets[tile + 1])})")
+        check_offsets_order(self.name, "tile_offsets", offsets, "tile")
         if int(offsets[-1]) != int(offsets[-2]):
             raise FormatError("tiled-csl: the last tile_offsets entry must repeat the total "
                               "(Flash-LLM's padding entry)")
         if words.numel() != VECTOR * int(offsets[-1]):
             raise FormatError(f"tiled-csl: tile_offsets account for {VECTOR * int(offsets[-1])} words but "
                               f"words holds {words.numel()} (count mismatch)")
-        if bool((steps[:-1] > TILE_SIZE // VECTOR).any()):
-            tile = first_index(steps[:-1] > TILE_SIZE // VECTOR)
+        entries = offsets[1:-1] - offsets[:-2]
+        if bool((entries > TILE_SIZE // VECTOR).any()):
+            tile = first_index(entries > TILE_SIZE // VECTOR)
             raise FormatError(f"tiled-csl: tile {tile} holds more entries than its {TILE_SIZE} positions")
         raw_positions = (words.numpy() >> 16) & 0xFFFF
         if (raw_positions >= TILE_SIZE).any():

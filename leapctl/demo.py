@@ -56,8 +56,11 @@ def serve_and_chat(export_dir: Path, question: str) -> None:
     console.rule("[bold]serve the sparse model with vLLM and ask it one question")
     console.print(f"$ leapctl serve {export_dir} --port {port} -- {' '.join(vllm_args)}", style="cyan",
                   markup=False, highlight=False)
+    log_path = export_dir.parent / "serve.log"
+    console.print(f"[dim]vLLM's log: {log_path}")
     started = time.monotonic()
-    with running_server(export_dir, port=port, extra_args=vllm_args) as base_url:
+    with log_path.open("w") as log, running_server(export_dir, port=port, extra_args=vllm_args,
+                                                   log_file=log) as base_url:
         console.print(f"[dim]ready at {base_url} after {time.monotonic() - started:.0f} s")
         client = OpenAI(base_url=base_url, api_key="none")
         reply = client.chat.completions.create(

@@ -23,6 +23,7 @@ from sparse_formats.checks import (
     exclusive_cumsum,
     first_index,
     from_raw_bits,
+    in_parallel,
     raw_bits,
     read_shape,
     require,
@@ -41,12 +42,22 @@ class BitmapFormat:
         so every block of rows knows where its values go and compacts them in cache (`ENCODE_BLOCK`)."""
         check_encode_inputs(weight, mask)
         keep, bits = mask.contiguous().numpy(), raw_bits(weight)
-        bitmap = np.packbits(keep, axis=1, bitorder="little")
+        ranges = list(blocks(*keep.shape))
+        bitmap = np.empty((keep.shape[0], packed_cols(keep.shape[1])), dtype=np.uint8)
+
+        def pack(rows: tuple[int, int]) -> None:
+            bitmap[rows[0]:rows[1]] = np.packbits(keep[rows[0]:rows[1]], axis=1, bitorder="little")
+
+        in_parallel(pack, ranges)
         starts = exclusive_cumsum(np.bitwise_count(bitmap).sum(axis=1, dtype=np.int64))
         values = np.empty(starts[-1], dtype=bits.dtype)
-        for first, last in blocks(*keep.shape):
+
+        def compact(rows: tuple[int, int]) -> None:
+            first, last = rows
             np.compress(keep[first:last].reshape(-1), bits[first:last].reshape(-1),
                         out=values[starts[first]:starts[last]])
+
+        in_parallel(compact, ranges)
         return {
             "shape": shape_tensor(weight),
             "bitmap": torch.from_numpy(bitmap),

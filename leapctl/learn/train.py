@@ -102,9 +102,6 @@ def learn_masks(config: LearnConfig) -> LearnResult:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # Late in the schedule alpha/tau saturates the sigmoids and the mask gradients turn denormal,
-        # which x86 CPUs process about 10x slower (seen: 20 s steps became 208 s); GPUs take them at speed.
-        torch.set_flush_denormal(True)
     use_autocast = config.autocast and device_type == "cuda"
     compute_dtype = torch.bfloat16 if use_autocast else torch.float32
     logits_dtype = getattr(torch, config.logits_dtype)

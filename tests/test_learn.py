@@ -14,6 +14,7 @@ from leapctl.errors import LeapctlError
 from leapctl.learn import LearnConfig, learn_masks
 from leapctl.learn.loss import regularisers
 from leapctl.learn.mask import (
+    SATURATION,
     MaskedLinearFunction,
     MaskState,
     attach_masks,
@@ -105,6 +106,22 @@ def test_logistic_noise_is_reproducible_and_logistic():
 def test_soft_mask_without_noise_is_the_plain_sigmoid():
     logits = torch.linspace(-1, 1, 11)
     torch.testing.assert_close(soft_mask(logits, 25.0, 4.0, None), torch.sigmoid(25.0 * logits / 4.0))
+
+
+def test_saturated_soft_mask_stays_normal_for_fast_cpu_matmuls():
+    """End of schedule (alpha 350, tau 0.05): the plain sigmoid gives subnormal M for pruned weights, which
+    slows CPU matmuls ~100x. The capped mask keeps M and W * M normal and differs from the plain sigmoid by
+    at most sigmoid(-SATURATION)."""
+    logits = torch.linspace(-0.02, 0.02, 4001)
+    plain = torch.sigmoid(350.0 * logits / 0.05)
+    smallest_normal = torch.finfo(torch.float32).tiny
+    assert ((plain > 0) & (plain < smallest_normal)).any()  # the hazard is real for the plain sigmoid
+    capped = soft_mask(logits, 350.0, 0.05, seed=11)
+    weight = torch.full_like(logits, 1e-6)  # a small frozen weight
+    assert (capped >= smallest_normal).all()
+    assert ((weight * capped) >= smallest_normal).all()
+    largest_change = torch.sigmoid(torch.tensor(-SATURATION))
+    assert (soft_mask(logits, 350.0, 0.05, None) - plain).abs().max() <= largest_change
 
 
 def test_checkpointed_block_gives_the_same_gradients(tiny_checkpoint):

@@ -17,6 +17,12 @@ import torch
 from torch import nn
 
 UNIFORM_EPS = 1e-6  # keeps log(u) - log(1-u) finite; caps |g| at about 13.8
+# |(alpha * P + g) / tau| is capped here before the sigmoid. Late in the schedule alpha / tau passes 100 and
+# pruned weights get M below 1e-38: W * M is then subnormal, and CPU matmuls on subnormal operands run ~100x
+# slower (SmolLM2 steps went from 20 s to 208 s). torch.set_flush_denormal only reaches the calling thread,
+# not the intra-op pool. sigmoid(-30) = 9.4e-14 keeps W * M normal, is below fp32 resolution next to any kept
+# weight, and its slope M(1 - M) still reaches the backward as a negligible, normal gradient.
+SATURATION = 30.0
 
 
 def noise_seed(run_seed: int, step: int, micro_batch: int, layer: int) -> int:
@@ -36,11 +42,12 @@ def logistic_noise(shape: torch.Size, seed: int, device: torch.device) -> torch.
 
 
 def soft_mask(logits: torch.Tensor, alpha: float, tau: float, seed: int | None) -> torch.Tensor:
-    """sigmoid((alpha * P + g) / tau) in fp32; no noise when `seed` is None (evaluation)."""
+    """sigmoid((alpha * P + g) / tau) in fp32, the argument capped at +-SATURATION; no noise when `seed` is
+    None (evaluation)."""
     z = logits.float() * alpha
     if seed is not None:
         z += logistic_noise(logits.shape, seed, logits.device)
-    return torch.sigmoid_(z.div_(tau))
+    return torch.sigmoid_(z.div_(tau).clamp_(-SATURATION, SATURATION))
 
 
 class MaskedLinearFunction(torch.autograd.Function):

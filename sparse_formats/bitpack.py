@@ -18,7 +18,7 @@ def pack_rows(mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mask must be 2-D, got shape {tuple(mask.shape)}")
     rows, cols = mask.shape
     pad = packed_cols(cols) * 8 - cols
-    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(rows, -1, 8)
+    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(rows, packed_cols(cols), 8)
     return (bits * _BIT_WEIGHTS.to(mask.device)).sum(dim=-1, dtype=torch.uint8)
 
 
@@ -30,4 +30,4 @@ def unpack_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
         raise ValueError(f"packed bitmap has {packed.shape[1]} bytes per row, {cols} columns need "
                          f"{packed_cols(cols)}")
     bits = (packed.unsqueeze(-1) & _BIT_WEIGHTS.to(packed.device)) != 0
-    return bits.view(packed.shape[0], -1)[:, :cols]
+    return bits.view(packed.shape[0], packed.shape[1] * 8)[:, :cols]

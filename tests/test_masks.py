@@ -35,6 +35,15 @@ def test_pack_rows_matches_numpy_little_endian(cols):
     assert torch.equal(unpack_rows(packed, cols), mask)
 
 
+@pytest.mark.parametrize("rows, cols", [(0, 13), (0, 0), (3, 0)])
+def test_empty_masks_pack_and_unpack(rows, cols):
+    """Shape is kept exactly when there is nothing to pack (numpy gives the same empty array)."""
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    packed = pack_rows(mask)
+    assert packed.shape == (rows, (cols + 7) // 8)
+    assert torch.equal(unpack_rows(packed, cols), mask)
+
+
 def test_single_bits_land_where_the_layout_says():
     mask = torch.zeros(2, 16, dtype=torch.bool)
     mask[0, 0] = mask[0, 9] = mask[1, 15] = True

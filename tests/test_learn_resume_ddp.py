@@ -1,6 +1,6 @@
 """End-to-end LEAP runs in subprocesses: a run killed with SIGKILL (or stopped with SIGTERM) and resumed
-ends bit for bit where an uninterrupted run ends; two gloo processes under torchrun learn the same mask
-as one process with the same global batch."""
+ends bit for bit where an uninterrupted run ends, with one process and with FSDP2 over two; two gloo
+processes under torchrun (DDP or FSDP2) learn the same mask as one process with the same global batch."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -104,9 +105,23 @@ def test_sigterm_checkpoints_and_resume_matches(stories260k_dir, calib, uninterr
     _assert_same_run(uninterrupted, out)
 
 
-@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "leapctl", "learn", *args]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fsdp_uninterrupted(tmp_path_factory, stories260k_dir, calib) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "fsdp"
+    proc = subprocess.run(_torchrun(*_args(stories260k_dir, calib, out), "--fsdp"), env=ENV,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
 def test_two_gloo_processes_learn_the_same_mask_as_one(
-    stories260k_dir, calib, uninterrupted, tmp_path, sharding
+    stories260k_dir, calib, uninterrupted, fsdp_uninterrupted, tmp_path, sharding
 ):
     """Same windows and the same noise per global micro-batch; only the order of the gradient sums
     differs (each rank sums its own two micro-batches, the all-reduce then adds the two ranks, where one
@@ -114,13 +129,13 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
     amplifies (d mask / d logit grows with alpha / tau, 7000 at the last step): the logits agree to 1e-5
     almost everywhere, to 1e-2 everywhere, and the hard masks are equal. FSDP2 shards the logits and
     reduce-scatters their gradients instead of all-reducing them: the same sums in another order."""
-    out = tmp_path / "ddp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "leapctl", "learn", *_args(stories260k_dir, calib, out), *sharding],
-        env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if sharding == "fsdp2":
+        out = fsdp_uninterrupted
+    else:
+        out = tmp_path / "ddp"
+        proc = subprocess.run(_torchrun(*_args(stories260k_dir, calib, out)), env=ENV, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
     single = load_file(uninterrupted / "mask_logits.safetensors")
     ddp = load_file(out / "mask_logits.safetensors")
     difference = torch.cat([(single[n] - ddp[n]).abs().flatten() for n in single])
@@ -135,3 +150,33 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
     masks_ddp = load_masks(out / "masks.safetensors").masks
     assert all(torch.equal(masks_single[n], masks_ddp[n]) for n in masks_single)
     assert all(torch.equal(hard_masks(ddp, 0.5)[n], masks_ddp[n]) for n in masks_ddp)
+
+
+def test_fsdp2_sigkill_then_resume_matches_an_uninterrupted_fsdp2_run_bit_for_bit(
+    stories260k_dir, calib, fsdp_uninterrupted, tmp_path
+):
+    """The checkpoint holds full (gathered) logits and optimizer state; on resume each rank takes its shard
+    back. With the same two ranks the reduction order is the same as the uninterrupted run's, so the
+    result is identical, not merely close. torchrun starts each worker in a session of its own, so SIGKILL
+    goes to the launcher and every process under it."""
+    out = tmp_path / "killed"
+    args = [*_args(stories260k_dir, calib, out), "--fsdp"]
+    state = Path(f"{out}.learn-state")
+    proc = subprocess.Popen(_torchrun(*args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (state / "checkpoint.pt").exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    launcher = psutil.Process(proc.pid)
+    for process in [launcher, *launcher.children(recursive=True)]:
+        process.kill()
+    proc.wait(timeout=60)
+    step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
+    assert 2 <= step < 10 and not out.exists()
+    resumed = subprocess.run(_torchrun(*args, "--resume"), env=ENV, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_same_run(fsdp_uninterrupted, out)

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import fail, median_graph_ms, require_cuda_and_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,11 +49,6 @@ CONFIGS = {
     "Llama-3.1-8B": Config(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128),
 }
 CONTEXT = 1024  # static KV cache length; decoding starts at position CONTEXT // 2 of random "prompt" K/V
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
@@ -128,28 +123,12 @@ class Decoder:
 
 
 def tokens_per_second(model: Decoder, steps: int, reps: int = 5) -> tuple[float, float]:
-    """(tokens/s, ms per step): median over `reps` replays of `steps` graph-captured decode steps."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: Triton compilation, split-K counters, cuBLAS workspaces
-        for _ in range(3):
-            model.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.step()
-    samples = []
-    for _ in range(reps):
+    """(tokens/s, ms per step): median over `reps` samples of `steps` graph-captured decode steps."""
+
+    def rewind() -> None:
         model.position.fill_(CONTEXT // 2)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / steps)
-    del graph
-    ms = statistics.median(samples)
+
+    ms = median_graph_ms(model.step, warmup=3, replays=steps, reps=reps, reset=rewind)
     return model.batch * 1000.0 / ms, ms
 
 
@@ -177,12 +156,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        fail("bench/decode_e2e.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        fail("bench/decode_e2e.py needs triton")
+    require_cuda_and_triton("bench/decode_e2e.py")
     dtype = torch.float16
     device = torch.cuda.get_device_name()
     rows = []

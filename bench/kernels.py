@@ -22,12 +22,12 @@ import datetime
 import json
 import math
 import re
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
 
 import torch
+from gpu_timing import fail, median_graph_ms, require_cuda_and_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,11 +43,6 @@ PEAK_TBPS = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def peak_tbps(device_name: str, override: float | None) -> float:
     if override:
         return override
@@ -58,30 +53,14 @@ def peak_tbps(device_name: str, override: float | None) -> float:
     raise AssertionError
 
 
-def time_per_call(calls: list, reps: int = 15) -> float:
+def time_per_call(calls: list) -> float:
     """Median microseconds per call of a CUDA graph that runs `calls` once each."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compiles kernels, allocates split-K counters
+
+    def run_all() -> None:
         for call in calls:
             call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / len(calls))
-    del graph
-    return statistics.median(samples)
+
+    return median_graph_ms(run_all) * 1000 / len(calls)
 
 
 def make_weights(n: int, k: int, sparsity: float, dtype: torch.dtype):
@@ -149,12 +128,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one shape per model, 50%% only")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        fail("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        fail("bench/kernels.py needs triton")
+    require_cuda_and_triton("bench/kernels.py")
     from serving.kernels.tiled_bitmap_triton import tiled_bitmap_linear
     from sparse_formats import nbytes
 

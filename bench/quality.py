@@ -10,8 +10,9 @@ The calibration batch is drawn once per model and shared by every method; each r
 of the dense model and its wall time is recorded. Results go to bench/results/quality_<model>.{json,md},
 rewritten after every run.
 
-A method is an entry of METHODS: `fn(model, tokenizer, calib_ids, sparsity, setup) -> MaskSet` that leaves
-`model` pruned in place. Adding one (e.g. LEAP) is one more entry."""
+A method is an entry of METHODS: `fn(model, tokenizer, calib_ids, sparsity, setup, earlier) -> MaskSet` that
+leaves `model` pruned in place; `earlier` holds the masks of the methods already run at this sparsity (LEAP
+starts from Wanda's when Wanda ran first, instead of computing the same masks again)."""
 
 import argparse
 import copy
@@ -71,8 +72,8 @@ MODELS: dict[str, ModelSetup] = {
 
 
 def _one_shot(method: str) -> Callable[..., MaskSet]:
-    def run(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float,
-            setup: ModelSetup) -> MaskSet:
+    def run(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float, setup: ModelSetup,
+            earlier: dict[str, MaskSet]) -> MaskSet:
         return prune_model(model, method, sparsity, calib_ids)
 
     return run
@@ -94,23 +95,29 @@ METHODS: dict[str, Callable[..., MaskSet]] = {
 LEAP_SETTINGS: dict[str, dict] = {
     "stories260k": dict(steps=60, batch_size=16, seq_len=256, lr=0.05, init="wanda", init_scale=0.5,
                         magnitude_term=False, calib_tokens=65536),
-    "smollm2-135m": dict(steps=24, batch_size=2, micro_batch_size=1, seq_len=512, lr=0.05, init="wanda",
-                         init_scale=0.5, magnitude_term=False, calib_tokens=262144),
+    "smollm2-135m": dict(steps=64, batch_size=2, seq_len=512, lr=0.05, init="wanda", init_scale=0.5,
+                         magnitude_term=False, calib_tokens=262144, gradient_checkpointing=False),
 }
 
 
-def _leap(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float,
-          setup: ModelSetup) -> MaskSet:
-    """Learn a LEAP mask in a scratch run folder, then zero the same weights of `model`."""
+def _leap(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float, setup: ModelSetup,
+          earlier: dict[str, MaskSet]) -> MaskSet:
+    """Learn a LEAP mask in a scratch run folder, then zero the same weights of `model`. Starts from the
+    Wanda row's masks when there is one (the same masks learn would compute: same windows, same seed)."""
     import tempfile
 
     from leapctl.learn import LearnConfig, learn_masks
-    from leapctl.masks import apply_masks, load_masks
+    from leapctl.masks import apply_masks, load_masks, save_masks
 
     with tempfile.TemporaryDirectory(prefix="leap-bench-") as scratch:
         out = Path(scratch) / "run"
+        init_masks = None
+        if "wanda" in earlier:
+            init_masks = Path(scratch) / "wanda.safetensors"
+            save_masks(init_masks, earlier["wanda"])
         config = LearnConfig(model=setup.spec(), out=out, sparsity=sparsity, calib=setup.calib,
-                             nsamples=calib_ids.shape[0], seed=setup.seed, **LEAP_SETTINGS[setup.name])
+                             nsamples=calib_ids.shape[0], seed=setup.seed, init_masks=init_masks,
+                             **LEAP_SETTINGS[setup.name])
         learn_masks(config)
         masks = load_masks(out / "masks.safetensors")
     apply_masks(model, masks)
@@ -176,10 +183,12 @@ def run_model(setup: ModelSetup, methods: list[str], sparsities: list[float], ns
              "ppl": perplexity(dense, tokenizer, text, seq_len=setup.eval_seq_len)}]
     _write(setup, meta, rows)
     for sparsity in sparsities:
+        earlier: dict[str, MaskSet] = {}
         for method in methods:
             model = copy.deepcopy(dense)
             started = time.perf_counter()
-            masks = METHODS[method](model, tokenizer, calib_ids, sparsity, setup)
+            masks = METHODS[method](model, tokenizer, calib_ids, sparsity, setup, earlier)
+            earlier[method] = masks
             seconds = time.perf_counter() - started
             ppl = perplexity(model, tokenizer, text, seq_len=setup.eval_seq_len)
             rows.append({"method": method, "target": sparsity, "achieved": masks.sparsity()["global"],

@@ -5,7 +5,8 @@ wall clock and by this process's CPU time (the latter is what a shared, busy mac
 measured side by side with a plain copy of the same matrix (`clone`) so that the ratio to memory speed
 survives a busy machine too. The one-pass bitmap encoder (`np.packbits` + `np.extract` over the whole
 matrix, what `bitmap` did before its block-wise encoder) runs in the same loop, so that the gain of
-blocking is a ratio from one run. The load average is recorded before and after: on a shared machine
+blocking is a ratio from one run; so does every encoder with one thread (`SPARSE_FORMATS_THREADS=1`), for
+the gain of the thread pool. The load average is recorded before and after: on a shared machine
 wall-clock throughput says as much about the neighbours as about the code.
 Writes bench/results/formats.json and formats.md.
 
@@ -17,13 +18,14 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from sparse_formats import FORMATS, get_format, nbytes
-from sparse_formats.checks import raw_bits
+from sparse_formats.checks import THREADS_ENV, encode_threads, raw_bits
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -37,6 +39,19 @@ def best_time(fn, repeats: int) -> tuple[float, float, object]:
         best_wall = min(best_wall, time.perf_counter() - wall)
         best_cpu = min(best_cpu, time.process_time() - cpu)
     return best_wall, best_cpu, out
+
+
+@contextmanager
+def one_encoder_thread():
+    before = os.environ.get(THREADS_ENV)
+    os.environ[THREADS_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[THREADS_ENV]
+        else:
+            os.environ[THREADS_ENV] = before
 
 
 def one_pass_bitmap_encode(weight: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -63,6 +78,11 @@ def run(rows: int, cols: int, sparsities: list[float], repeats: int, seed: int) 
             except ValueError as exc:
                 rows_out.append({"format": name, "sparsity": sparsity, "skipped": str(exc)})
                 continue
+            with one_encoder_thread():
+                serial_s, _, serial = best_time(lambda fmt=fmt, mask=mask: fmt.encode(weight, mask), repeats)
+            if any(not torch.equal(serial[key].view(torch.uint8), tensors[key].view(torch.uint8))
+                   for key in tensors):
+                raise SystemExit(f"{name}: one-thread encoding differs from the threaded one at {sparsity}")
             if name == "bitmap":
                 one_pass_s, one_pass_cpu, (bitmap, values) = best_time(
                     lambda mask=mask: one_pass_bitmap_encode(weight, mask), repeats)
@@ -81,6 +101,8 @@ def run(rows: int, cols: int, sparsities: list[float], repeats: int, seed: int) 
                 "format": name,
                 "sparsity": sparsity,
                 "encode_gb_s": dense_bytes / encode_s / 1e9,
+                "encode_one_thread_gb_s": dense_bytes / serial_s / 1e9,
+                "threads_vs_one_thread": serial_s / encode_s,
                 "decode_gb_s": dense_bytes / decode_s / 1e9,
                 "encode_gb_cpu_s": dense_bytes / encode_cpu / 1e9,
                 "decode_gb_cpu_s": dense_bytes / decode_cpu / 1e9,
@@ -97,6 +119,7 @@ def run(rows: int, cols: int, sparsities: list[float], repeats: int, seed: int) 
         "one_pass_bitmap": one_pass,
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "cpus": os.cpu_count(),
+        "encoder_threads": encode_threads(),
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(),
                     "processor": platform.processor() or platform.machine()},
@@ -109,21 +132,23 @@ def markdown(report: dict) -> str:
         f"Sparse formats on a {rows}x{cols} bf16 matrix (dense bf16 = 2 bytes/weight); "
         f"plain copy {report['copy_gb_s']:.2f} GB/s in the same run.",
         "",
-        "| format | sparsity | encode GB/s | decode GB/s | encode GB/CPU-s | decode GB/CPU-s | encode / copy "
-        "| decode / copy | bytes/weight |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| format | sparsity | encode GB/s | encode GB/s, 1 thread | threads / 1 thread | decode GB/s "
+        "| encode GB/CPU-s | decode GB/CPU-s | encode / copy | decode / copy | bytes/weight |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["results"]:
         if "skipped" in row:
             lines.append(f"| {row['format']} | {row['sparsity']:.0%} | skipped: {row['skipped']} "
-                         f"| | | | | | |")
+                         f"| | | | | | | | |")
             continue
         lines.append(f"| {row['format']} | {row['sparsity']:.0%} | {row['encode_gb_s']:.3f} | "
+                     f"{row['encode_one_thread_gb_s']:.3f} | {row['threads_vs_one_thread']:.2f} | "
                      f"{row['decode_gb_s']:.3f} | {row['encode_gb_cpu_s']:.3f} | "
                      f"{row['decode_gb_cpu_s']:.3f} | {row['encode_vs_copy']:.3f} | "
                      f"{row['decode_vs_copy']:.3f} | {row['bytes_per_weight']:.3f} |")
     lines += ["", f"Load average (1 min) {report['load_average_1min'][0]:.1f} before, "
-              f"{report['load_average_1min'][1]:.1f} after, on {report['cpus']} CPUs.", "",
+              f"{report['load_average_1min'][1]:.1f} after, on {report['cpus']} CPUs; "
+              f"{report['encoder_threads']} encoder threads.", "",
               "Block-wise `bitmap` encode against the one-pass reference (packbits + np.extract over the "
               "whole matrix), same run:", "",
               "| sparsity | one-pass GB/s | one-pass GB/CPU-s | blocked / one-pass (wall) "

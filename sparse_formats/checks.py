@@ -10,7 +10,8 @@ import torch
 
 from sparse_formats.errors import FormatError
 
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+THREADS_ENV = "SPARSE_FORMATS_THREADS"  # encoder threads; default min(8, CPU count), 1 for serial
 
 # Number of set bits in every byte value; indexing it with a uint8 bitmap counts kept weights per byte.
 POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int64)
@@ -99,18 +100,27 @@ def blocks(count: int, weights_each: int) -> Iterator[tuple[int, int]]:
         yield first, min(first + per_block, count)
 
 
+def encode_threads() -> int:
+    """Threads the encoders use: `$SPARSE_FORMATS_THREADS`, else min(8, CPU count)."""
+    configured = os.environ.get(THREADS_ENV, "").strip()
+    if configured:
+        if not configured.isdigit() or int(configured) < 1:
+            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {configured!r}")
+        return int(configured)
+    return min(8, os.cpu_count() or 1)
+
+
 def in_parallel(work: Callable[[tuple[int, int]], None], ranges: list[tuple[int, int]]) -> None:
-    """Run `work` on each range on a small shared thread pool: numpy's packbits and compress release the
-    GIL, so independent row blocks use every core (about 1.45x on two cores)."""
-    global _POOL
-    if len(ranges) < 2:
+    """Run `work` on each range on a small shared thread pool: numpy's packbits, compress, take and copies
+    release the GIL, so independent row blocks use every core (about 1.45x on two cores)."""
+    threads = encode_threads()
+    if threads < 2 or len(ranges) < 2:
         for item in ranges:
             work(item)
         return
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                   thread_name_prefix="sparse-formats")
-    for _ in _POOL.map(work, ranges):  # re-raises the first worker exception here
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sparse-formats")
+    for _ in _POOLS[threads].map(work, ranges):  # re-raises the first worker exception here
         pass
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from sparse_formats.base import register
-from sparse_formats.checks import blocks, exclusive_cumsum, packed_words, raw_bits
+from sparse_formats.checks import blocks, exclusive_cumsum, in_parallel, packed_words, raw_bits
 from sparse_formats.errors import FormatError
 
 GROUP = 64
@@ -77,7 +77,8 @@ class TiledBitmapFormat:
         """A group's 64 words are bytes 8gj..8gj+7 of its 64 rows in the row-packed bitmap, so the bitmap
         and the group counts come from one `packbits` of the mask. Values are compacted a block of groups
         at a time (one row group, `ENCODE_BLOCK` weights of column groups), each block put in group order
-        in cache and written at its precomputed offset, instead of reordering the whole matrix first."""
+        in cache and written at its precomputed offset, instead of reordering the whole matrix first; row
+        groups run on the shared thread pool."""
         if weight.dim() != 2 or mask.shape != weight.shape:
             raise ValueError(f"weight must be 2-D and mask the same shape, got {tuple(weight.shape)} "
                              f"and {tuple(mask.shape)}")
@@ -92,12 +93,16 @@ class TiledBitmapFormat:
             padding = ((0, ng * GROUP - rows), (0, kg * GROUP - cols))
             keep, bits = np.pad(keep, padding), np.pad(bits, padding)
         values = np.empty(offsets[-1], dtype=bits.dtype)
-        for gi in range(ng):
-            band = slice(gi * GROUP, (gi + 1) * GROUP)
-            for first, last in blocks(kg, GROUP * GROUP):
-                span = slice(first * GROUP, last * GROUP)
-                np.compress(_group_order(keep[band, span]), _group_order(bits[band, span]),
-                            out=values[offsets[gi * kg + first]:offsets[gi * kg + last]])
+
+        def compact(bands: tuple[int, int]) -> None:
+            for gi in range(*bands):
+                band = slice(gi * GROUP, (gi + 1) * GROUP)
+                for first, last in blocks(kg, GROUP * GROUP):
+                    span = slice(first * GROUP, last * GROUP)
+                    np.compress(_group_order(keep[band, span]), _group_order(bits[band, span]),
+                                out=values[offsets[gi * kg + first]:offsets[gi * kg + last]])
+
+        in_parallel(compact, [(gi, gi + 1) for gi in range(ng)])
         device = weight.device
         return {"shape": torch.tensor([rows, cols], dtype=torch.int64),
                 "bitmap": torch.from_numpy(words.view(np.int64)).to(device),

@@ -37,6 +37,7 @@ from sparse_formats.checks import (
     exclusive_cumsum,
     first_index,
     from_raw_bits,
+    in_parallel,
     packed_words,
     raw_bits,
     read_shape,
@@ -108,7 +109,8 @@ class TiledCslFormat:
         """Tile counts (hence padding and offsets) come from one `packbits` of the mask: a tile is 128
         rows of one 64-bit word each. Words are then built a block of tiles at a time (one tile row,
         `ENCODE_BLOCK` weights of column tiles), each block put in tile order in cache and written at its
-        precomputed offset, instead of reordering the whole matrix and its int64 positions first."""
+        precomputed offset, instead of reordering the whole matrix and its int64 positions first; tile rows
+        run on the shared thread pool."""
         check_encode_inputs(weight, mask)
         if weight.dtype not in VALUE_DTYPES:
             raise ValueError(f"tiled-csl stores 16-bit values (float16 or bfloat16), got {weight.dtype}; "
@@ -124,13 +126,18 @@ class TiledCslFormat:
             pad_to = ((0, tile_rows * TILE_ROWS - rows), (0, tile_cols * TILE_COLS - cols))
             keep, bits = np.pad(keep, pad_to), np.pad(bits, pad_to)
         words = np.empty(VECTOR * starts[-1], dtype=np.int32)
-        for ti in range(tile_rows):
-            band = slice(ti * TILE_ROWS, (ti + 1) * TILE_ROWS)
-            for first, last in blocks(tile_cols, TILE_SIZE):
-                span = slice(first * TILE_COLS, last * TILE_COLS)
-                tiles = slice(ti * tile_cols + first, ti * tile_cols + last)
-                _encode_tiles(_tile_order(keep[band, span]), _tile_order(bits[band, span]), padding[tiles],
-                              out=words[VECTOR * starts[tiles.start]:VECTOR * starts[tiles.stop]])
+
+        def encode_bands(bands: tuple[int, int]) -> None:
+            for ti in range(*bands):
+                band = slice(ti * TILE_ROWS, (ti + 1) * TILE_ROWS)
+                for first, last in blocks(tile_cols, TILE_SIZE):
+                    span = slice(first * TILE_COLS, last * TILE_COLS)
+                    tiles = slice(ti * tile_cols + first, ti * tile_cols + last)
+                    first_word, last_word = VECTOR * starts[tiles.start], VECTOR * starts[tiles.stop]
+                    _encode_tiles(_tile_order(keep[band, span]), _tile_order(bits[band, span]),
+                                  padding[tiles], out=words[first_word:last_word])
+
+        in_parallel(encode_bands, [(ti, ti + 1) for ti in range(tile_rows)])
         offsets = np.concatenate([starts, starts[-1:]]).astype(np.int32)
         return {
             "shape": shape_tensor(weight),

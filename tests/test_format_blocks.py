@@ -35,3 +35,25 @@ def test_encode_leaves_its_inputs_unchanged(fmt_name, shape):
     get_format(fmt_name).encode(weight, mask)
     assert torch.equal(weight.view(torch.int16), weight_before.view(torch.int16))
     assert torch.equal(mask, mask_before)
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_thread_count_does_not_change_the_encoding(fmt_name, monkeypatch):
+    """Blocks (row blocks, row groups, tile rows) run on a thread pool; 1 thread is the serial loop."""
+    weight, mask = case(300, 200, seed=5)
+    fmt = get_format(fmt_name)
+    monkeypatch.setattr(checks, "ENCODE_BLOCK", 1)
+    encodings = []
+    for threads in ("1", "4"):
+        monkeypatch.setenv(checks.THREADS_ENV, threads)
+        encodings.append(fmt.encode(weight, mask))
+    serial, threaded = encodings
+    for key in serial:
+        assert torch.equal(serial[key].view(torch.uint8), threaded[key].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_thread_count_is_named(value, monkeypatch):
+    monkeypatch.setenv(checks.THREADS_ENV, value)
+    with pytest.raises(ValueError, match=checks.THREADS_ENV):
+        get_format("bitmap").encode(*case(300, 200, seed=0))

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -32,24 +33,41 @@ def _args(model: Path, calib: Path, out: Path, steps: int = 10) -> list[str]:
 
 
 def _learn(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "leapctl", "learn", *args], env=ENV, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(_learn_command(*args), env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return proc
 
 
-def _start_and_stop_after_checkpoint(args: list[str], state: Path, sig: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "leapctl", "learn", *args], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+def _start_and_stop_after_checkpoint(command: list[str], state: Path,
+                                     stop: Callable[[subprocess.Popen], None]) -> subprocess.Popen:
+    """Start `command`, wait for its first checkpoint, then `stop` it while it still runs."""
+    proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (state / "checkpoint.pt").exists():
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be interrupted"
-    proc.send_signal(sig)
+    stop(proc)
     proc.wait(timeout=300)
     return proc
+
+
+def _learn_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "leapctl", "learn", *args]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "leapctl", "learn", *args]  # fmt: skip
+
+
+def _kill_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to a launcher and everything under it (torchrun starts each worker in its own session, so
+    killing the process group is not enough)."""
+    launcher = psutil.Process(proc.pid)
+    for process in [launcher, *launcher.children(recursive=True)]:
+        process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +101,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bit_for_bit(stories260
     out = tmp_path / "killed"
     args = _args(stories260k_dir, calib, out)
     state = Path(f"{out}.learn-state")
-    proc = _start_and_stop_after_checkpoint(args, state, signal.SIGKILL)
+    proc = _start_and_stop_after_checkpoint(_learn_command(*args), state, subprocess.Popen.kill)
     assert proc.returncode == -signal.SIGKILL
     step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
     assert 2 <= step < 10 and not out.exists()
@@ -96,18 +114,13 @@ def test_sigterm_checkpoints_and_resume_matches(stories260k_dir, calib, uninterr
     out = tmp_path / "stopped"
     args = _args(stories260k_dir, calib, out)
     state = Path(f"{out}.learn-state")
-    proc = _start_and_stop_after_checkpoint(args, state, signal.SIGTERM)
+    proc = _start_and_stop_after_checkpoint(_learn_command(*args), state, subprocess.Popen.terminate)
     stderr = proc.stderr.read()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
     assert f"interrupted after step {step}" in stderr and step < 10
     _learn(*args, "--resume")
     _assert_same_run(uninterrupted, out)
-
-
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "leapctl", "learn", *args]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -157,23 +170,11 @@ def test_fsdp2_sigkill_then_resume_matches_an_uninterrupted_fsdp2_run_bit_for_bi
 ):
     """The checkpoint holds full (gathered) logits and optimizer state; on resume each rank takes its shard
     back. With the same two ranks the reduction order is the same as the uninterrupted run's, so the
-    result is identical, not merely close. torchrun starts each worker in a session of its own, so SIGKILL
-    goes to the launcher and every process under it."""
+    result is identical, not merely close. SIGKILL goes to the launcher and every worker."""
     out = tmp_path / "killed"
     args = [*_args(stories260k_dir, calib, out), "--fsdp"]
     state = Path(f"{out}.learn-state")
-    proc = subprocess.Popen(_torchrun(*args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (state / "checkpoint.pt").exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be interrupted"
-    launcher = psutil.Process(proc.pid)
-    for process in [launcher, *launcher.children(recursive=True)]:
-        process.kill()
-    proc.wait(timeout=60)
+    _start_and_stop_after_checkpoint(_torchrun(*args), state, _kill_process_tree)
     step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
     assert 2 <= step < 10 and not out.exists()
     resumed = subprocess.run(_torchrun(*args, "--resume"), env=ENV, capture_output=True, text=True,

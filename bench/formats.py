@@ -18,8 +18,8 @@ import json
 import os
 import platform
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -39,19 +39,6 @@ def best_time(fn, repeats: int) -> tuple[float, float, object]:
         best_wall = min(best_wall, time.perf_counter() - wall)
         best_cpu = min(best_cpu, time.process_time() - cpu)
     return best_wall, best_cpu, out
-
-
-@contextmanager
-def one_encoder_thread():
-    before = os.environ.get(THREADS_ENV)
-    os.environ[THREADS_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[THREADS_ENV]
-        else:
-            os.environ[THREADS_ENV] = before
 
 
 def one_pass_bitmap_encode(weight: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +65,7 @@ def run(rows: int, cols: int, sparsities: list[float], repeats: int, seed: int) 
             except ValueError as exc:
                 rows_out.append({"format": name, "sparsity": sparsity, "skipped": str(exc)})
                 continue
-            with one_encoder_thread():
+            with mock.patch.dict(os.environ, {THREADS_ENV: "1"}):
                 serial_s, _, serial = best_time(lambda fmt=fmt, mask=mask: fmt.encode(weight, mask), repeats)
             if any(not torch.equal(serial[key].view(torch.uint8), tensors[key].view(torch.uint8))
                    for key in tensors):

@@ -58,7 +58,7 @@ def test_masked_linear_matches_plain_autograd(noisy):
     upstream, c_sum, c_norm = torch.randn(3, 5, 8), 0.3, -0.7
 
     x1 = x.clone().requires_grad_(True)
-    y, s, n = MaskedLinearFunction.apply(x1, weight, bias, logits, alpha, tau, seed, torch.float32)
+    y, s, n = MaskedLinearFunction.apply(x1, weight, bias, logits, alpha, tau, seed, torch.float32, True)
     ((y * upstream).sum() + c_sum * s + c_norm * n).backward()
     grad_logits, logits.grad = logits.grad.clone(), None
 
@@ -74,6 +74,24 @@ def test_masked_linear_matches_plain_autograd(noisy):
     torch.testing.assert_close(grad_logits, logits.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_masked_linear_without_norm_tracking_gives_the_lm_gradient_alone():
+    """Without the magnitude term the norm output is a constant 0 and the logits get exactly the gradient of
+    the plain masked linear (reference: autograd through the naive formula, no norm term)."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 7, 16), torch.randn(8, 16), torch.randn(8)
+    logits = (torch.randn(8, 16) * 0.05).requires_grad_(True)
+    upstream = torch.randn(2, 7, 8)
+    y, s, n = MaskedLinearFunction.apply(x, weight, bias, logits, 25.0, 4.0, 5, torch.float32, False)
+    assert n.item() == 0.0 and not n.requires_grad
+    ((y * upstream).sum() + 0.3 * s).backward()
+    grad_logits, logits.grad = logits.grad.clone(), None
+
+    noise = logistic_noise(logits.shape, 5, logits.device)
+    y_ref, s_ref, _ = _reference(x, weight, bias, logits, 25.0, 4.0, noise)
+    ((y_ref * upstream).sum() + 0.3 * s_ref).backward()
+    torch.testing.assert_close(grad_logits, logits.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_masked_linear_keeps_no_full_size_copy_for_backward():
     """Only x, W and P are saved for the backward: any weight-sized saved tensor must be W or P itself."""
     weight, logits = torch.randn(32, 48), torch.zeros(32, 48, requires_grad=True)
@@ -85,7 +103,7 @@ def test_masked_linear_keeps_no_full_size_copy_for_backward():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y, _, _ = MaskedLinearFunction.apply(
-            torch.randn(4, 48), weight, None, logits, 25.0, 4.0, 7, torch.float32
+            torch.randn(4, 48), weight, None, logits, 25.0, 4.0, 7, torch.float32, True
         )
     big = [t for t in saved if t.numel() >= weight.numel()]
     assert big and all(t.data_ptr() in (weight.data_ptr(), logits.data_ptr()) for t in big)

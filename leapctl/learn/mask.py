@@ -10,13 +10,16 @@ The noise is not drawn from the global RNG: each layer draws it from a generator
 back in the backward, in gradient-checkpoint recomputation, after a resume and on every data-parallel
 rank that processes that micro-batch."""
 
+import functools
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 UNIFORM_EPS = 1e-6  # keeps log(u) - log(1-u) finite; caps |g| at about 13.8
+NOISE_CHUNK = 1 << 16  # CPU noise is drawn in pieces of this many numbers, each from its own seed
 # |(alpha * P + g) / tau| is capped here before the sigmoid. Late in the schedule alpha / tau passes 100 and
 # pruned weights get M below 1e-38: W * M is then subnormal, and CPU matmuls on subnormal operands run ~100x
 # slower (SmolLM2 steps went from 20 s to 208 s). torch.set_flush_denormal only reaches the calling thread,
@@ -31,14 +34,49 @@ def noise_seed(run_seed: int, step: int, micro_batch: int, layer: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def _chunk_seed(seed: int, chunk: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _uniform_cpu(numel: int, seed: int) -> torch.Tensor:
+    """U(0, 1) draws in NOISE_CHUNK pieces, each from its own generator, filled on a thread pool: the CPU
+    generator (mt19937) is serial, ~10 ns a number. The pieces do not depend on the thread count."""
+    u = torch.empty(numel, dtype=torch.float32)
+
+    def fill(chunk: int) -> None:
+        generator = torch.Generator()
+        generator.manual_seed(_chunk_seed(seed, chunk))
+        start = chunk * NOISE_CHUNK
+        piece = u[start : start + NOISE_CHUNK]
+        torch.rand(piece.numel(), generator=generator, out=piece)
+
+    chunks = range((numel + NOISE_CHUNK - 1) // NOISE_CHUNK)
+    threads = torch.get_num_threads()
+    if threads == 1 or len(chunks) == 1:
+        for chunk in chunks:
+            fill(chunk)
+    else:
+        list(_noise_pool(threads).map(fill, chunks))
+    return u
+
+
+@functools.cache
+def _noise_pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="leap-noise")
+
+
 def logistic_noise(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
-    """g = log(u) - log(1 - u), u ~ U(0, 1): the difference of two Gumbels, drawn reproducibly from `seed`."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
-    u.clamp_(UNIFORM_EPS, 1.0 - UNIFORM_EPS)
-    log_one_minus_u = torch.log1p(-u)
-    return u.log_().sub_(log_one_minus_u)
+    """g = logit(u) = log(u) - log(1 - u), u ~ U(0, 1): the difference of two Gumbels, drawn reproducibly
+    from `seed`. CUDA draws in one call (Philox is parallel); the CPU in parallel chunks."""
+    numel = torch.Size(shape).numel()
+    if device.type == "cpu":
+        u = _uniform_cpu(numel, seed)
+    else:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        u = torch.rand(numel, generator=generator, device=device, dtype=torch.float32)
+    return torch.logit_(u, eps=UNIFORM_EPS).view(shape)
 
 
 def soft_mask(logits: torch.Tensor, alpha: float, tau: float, seed: int | None) -> torch.Tensor:
@@ -51,23 +89,27 @@ def soft_mask(logits: torch.Tensor, alpha: float, tau: float, seed: int | None) 
 
 
 class MaskedLinearFunction(torch.autograd.Function):
-    """y = x @ (W * M)^T + b, plus two scalars the regularisers need: sum(M) and ||W * M||_F^2.
+    """y = x @ (W * M)^T + b, plus two scalars the regularisers need: sum(M) and ||W * M||_F^2 (the
+    latter only with `track_norm`; without the magnitude term it is a constant 0 and costs nothing).
 
     Saves only references to x, W and P; the backward recomputes M from the same seed. Gradients flow
     to P only (W and b are frozen). Matmuls run in `compute_dtype` (bf16 under autocast), M in fp32."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, logits, alpha, tau, seed, compute_dtype):
+    def forward(ctx, x, weight, bias, logits, alpha, tau, seed, compute_dtype, track_norm):
+        ctx.set_materialize_grads(False)  # an unused scalar output gets no gradient pass over W
         with torch.autocast(device_type=x.device.type, enabled=False):
             mask = soft_mask(logits, alpha, tau, seed)
             masked = weight.float() * mask
             mask_sum = mask.sum()
-            masked_norm_sq = masked.square().sum()
+            masked_norm_sq = masked.square().sum() if track_norm else torch.zeros((), device=x.device)
             masked_c = masked.to(compute_dtype)
             del masked, mask
             y = x.to(compute_dtype) @ masked_c.t()
             if bias is not None:
                 y = y + bias.to(compute_dtype)
+        if not track_norm:
+            ctx.mark_non_differentiable(masked_norm_sq)
         ctx.save_for_backward(x, weight, logits)
         ctx.alpha, ctx.tau, ctx.seed, ctx.compute_dtype = alpha, tau, seed, compute_dtype
         return y, mask_sum, masked_norm_sq
@@ -92,7 +134,7 @@ class MaskedLinearFunction(torch.autograd.Function):
                 grad_mask += (2.0 * grad_norm_sq) * mask * w.square()
             # dM/dP = (alpha / tau) * M * (1 - M)
             grad_logits = grad_mask.mul_(mask).mul_(1.0 - mask).mul_(ctx.alpha / ctx.tau).to(logits.dtype)
-        return grad_x, None, None, grad_logits, None, None, None, None
+        return grad_x, None, None, grad_logits, None, None, None, None, None
 
 
 @dataclass
@@ -107,6 +149,7 @@ class MaskState:
     micro_batch: int = 0
     noisy: bool = True
     compute_dtype: torch.dtype = torch.float32
+    track_norms: bool = True  # record ||W * M||_F^2 (the magnitude term needs it)
     recording: bool = False
     mask_sums: list = field(default_factory=list)
     masked_norms_sq: list = field(default_factory=list)
@@ -137,7 +180,7 @@ class MaskedLinear(nn.Module):
         s = self.state
         seed = noise_seed(s.run_seed, s.step, s.micro_batch, self.layer_index) if s.noisy else None
         y, mask_sum, norm_sq = MaskedLinearFunction.apply(
-            x, self.weight, self.bias, self.mask_logits, s.alpha, s.tau, seed, s.compute_dtype
+            x, self.weight, self.bias, self.mask_logits, s.alpha, s.tau, seed, s.compute_dtype, s.track_norms
         )
         if s.recording:
             s.mask_sums.append(mask_sum)

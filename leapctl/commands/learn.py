@@ -70,7 +70,11 @@ def learn(
         "layers), per-layer (exact density in each layer) or positive (P > 0).",
     ),
     logits_dtype: str = typer.Option("float32", "--logits-dtype", help="float32 or bfloat16 logits."),
-    autocast: bool = typer.Option(True, "--autocast/--no-autocast", help="bf16 autocast on CUDA."),
+    autocast: bool | None = typer.Option(
+        None,
+        "--autocast/--no-autocast",
+        help="bf16 autocast of the matmuls (default: on CUDA, off on CPU; CPUs with AMX run it faster).",
+    ),
     gradient_checkpointing: bool = typer.Option(
         True,
         "--gradient-checkpointing/--no-gradient-checkpointing",

@@ -57,7 +57,7 @@ class LearnConfig:
     init_masks: Path | None = None  # a mask file to start from (a prune run's) instead of computing Wanda
     hard_mask: str = "global"
     logits_dtype: str = "float32"
-    autocast: bool = True  # bf16 autocast on CUDA (never on CPU)
+    autocast: bool | None = None  # bf16 autocast; None: on CUDA, off on CPU (where only AMX makes it pay)
     gradient_checkpointing: bool = True
     include: str | None = None
     exclude: str | None = None

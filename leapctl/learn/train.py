@@ -102,7 +102,7 @@ def learn_masks(config: LearnConfig) -> LearnResult:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    use_autocast = config.autocast and device_type == "cuda"
+    use_autocast = config.autocast if config.autocast is not None else device_type == "cuda"
     compute_dtype = torch.bfloat16 if use_autocast else torch.float32
     logits_dtype = getattr(torch, config.logits_dtype)
 
@@ -163,7 +163,11 @@ def learn_masks(config: LearnConfig) -> LearnResult:
             name: t.to(device)
             for name, t in init_logits(keep, config.init, config.init_scale, generator, logits_dtype).items()
         }
-    mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype)
+    mask_state = MaskState(
+        run_seed=config.seed,
+        compute_dtype=compute_dtype,
+        track_norms=config.magnitude_term and config.lambda2 != 0,
+    )
     masked = attach_masks(model, linears, logits, mask_state)
 
     if config.gradient_checkpointing:
@@ -183,8 +187,12 @@ def learn_masks(config: LearnConfig) -> LearnResult:
 
     # ---------------------------------------------------------------- optimizer and schedules
     logit_params = [layer.mask_logits for layer in masked.values()]  # after fully_shard made them shards
-    optimizer = torch.optim.AdamW(
-        logit_params, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay
+    optimizer = torch.optim.AdamW(  # fused: one kernel over all logits, ~5x faster than the loop on CPU
+        logit_params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        weight_decay=config.weight_decay,
+        fused=True,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_with_warmup(config.warmup_steps, config.steps)

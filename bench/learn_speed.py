@@ -4,8 +4,8 @@ Both run on the same randomly initialised Qwen2.5-0.5B-shaped model (or a smalle
 family on CPU), the same batch and sequence length, AdamW, in this one script run; each variant runs in
 its own child process so that its peak memory is its own. The learn step is the loop of
 `leapctl.learn.train` (masked linears, regularisers, AdamW on the logits, gradient checkpointing per
-block, bf16 autocast on CUDA); the fine-tuning step trains every weight with the same checkpointing
-and autocast setting.
+block, bf16 autocast on CUDA, or on CPU with --autocast; fused AdamW); the fine-tuning step trains every
+weight with the same checkpointing, autocast and optimizer.
 
     python bench/learn_speed.py                       # CPU: the `small` shape
     python bench/learn_speed.py --shape full --device cuda --batch 8 --seq-len 4096
@@ -58,7 +58,7 @@ def run_variant(variant: str, args: dict, results) -> None:
     torch.set_num_threads(args["threads"]) if args["threads"] else None
     device = torch.device(args["device"])
     model = build_model(args["shape"], device)
-    autocast_on = device.type == "cuda"
+    autocast_on = args["autocast"] if args["autocast"] is not None else device.type == "cuda"
     if variant == "learn":
         model.requires_grad_(False)
         linears = prunable_linears(model)
@@ -75,7 +75,7 @@ def run_variant(variant: str, args: dict, results) -> None:
     if args["checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     ids = torch.randint(
         0, SHAPES[args["shape"]]["vocab_size"], (args["batch"], args["seq_len"]), device=device
     )
@@ -139,11 +139,13 @@ def main() -> None:
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="disable per-block checkpointing in both"
     )
+    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
+                        help="bf16 autocast in both steps (default: on CUDA only)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "learn_speed")
     options = parser.parse_args()
     args = dict(shape=options.shape, device=options.device, batch=options.batch, seq_len=options.seq_len,
                 warmup=options.warmup, steps=options.steps, threads=options.threads,
-                checkpointing=not options.no_checkpointing)  # fmt: skip
+                checkpointing=not options.no_checkpointing, autocast=options.autocast)  # fmt: skip
     context = mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
@@ -184,7 +186,8 @@ def main() -> None:
     table = "\n".join(rows)
     text = (
         f"shape `{options.shape}` {SHAPES[options.shape]}, batch {options.batch} x {options.seq_len} tokens, "
-        f"device {summary['device']}, checkpointing {args['checkpointing']}, memory: {memory_key}\n\n"
+        f"device {summary['device']}, checkpointing {args['checkpointing']}, autocast {args['autocast']} "
+        f"(None: on CUDA only), memory: {memory_key}\n\n"
         f"{table}\n\n"
         f"learn / finetune tokens/s: {summary['learn_over_finetune_tokens_per_s']:.2f}; "
         f"peak memory ratio: {summary['learn_over_finetune_peak_memory']:.2f}; "

@@ -140,7 +140,9 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
     differs (each rank sums its own two micro-batches, the all-reduce then adds the two ranks, where one
     process adds four in a row). So the runs agree up to float32 rounding, which the end of the schedule
     amplifies (d mask / d logit grows with alpha / tau, 7000 at the last step): the logits agree to 1e-5
-    almost everywhere, to 1e-2 everywhere, and the hard masks are equal. FSDP2 shards the logits and
+    almost everywhere and to 1e-2 everywhere. The hard masks are equal except next to the global top-k cut:
+    if no logit moves by more than d, the cut moves by at most d too, so a weight can change sides only
+    when its logit lies within 2d of the cut (CI's CPU did move a few). FSDP2 shards the logits and
     reduce-scatters their gradients instead of all-reducing them: the same sums in another order."""
     if sharding == "fsdp2":
         out = fsdp_uninterrupted
@@ -161,7 +163,11 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
     assert lm_single == pytest.approx(lm_ddp, rel=1e-5)  # the same windows and noise on every step
     masks_single = load_masks(uninterrupted / "masks.safetensors").masks
     masks_ddp = load_masks(out / "masks.safetensors").masks
-    assert all(torch.equal(masks_single[n], masks_ddp[n]) for n in masks_single)
+    all_single = torch.cat([p.flatten() for p in single.values()])
+    cut = all_single.kthvalue(all_single.numel() - round(0.5 * all_single.numel()) + 1).values
+    for name in masks_single:
+        moved = masks_single[name] != masks_ddp[name]
+        assert ((single[name][moved] - cut).abs() <= 2 * difference.max()).all(), name
     assert all(torch.equal(hard_masks(ddp, 0.5)[n], masks_ddp[n]) for n in masks_ddp)
 
 

@@ -1,4 +1,4 @@
-"""Perplexity of one-shot pruning methods side by side: dense, magnitude, Wanda, SparseGPT at 50% and 60%.
+"""Perplexity of pruning methods side by side: dense, magnitude, Wanda, SparseGPT and LEAP at 50% and 60%.
 
     .venv/bin/python bench/quality.py --models stories260k,smollm2-135m --sparsities 0.5,0.6
 
@@ -8,7 +8,9 @@ smollm2-135m: calibration `wiki-summaries`, 128 x 512 tokens; evaluation on the 
 (../shared/assets/wikitext-2-raw/wiki.test.lf.raw) in 512-token windows, as the pruning papers measure it.
 The calibration batch is drawn once per model and shared by every method; each run prunes a fresh copy
 of the dense model and its wall time is recorded. Results go to bench/results/quality_<model>.{json,md},
-rewritten after every run.
+rewritten after every run; the rows of methods and sparsities not run this time are kept from the last file
+when its calibration and evaluation are the same (`--methods leap` redoes LEAP alone). `--leap KEY=VALUE`
+overrides the model's LEAP_SETTINGS.
 
 A method is an entry of METHODS: `fn(model, tokenizer, calib_ids, sparsity, setup, earlier) -> MaskSet` that
 leaves `model` pruned in place; `earlier` holds the masks of the methods already run at this sparsity (LEAP

@@ -35,6 +35,7 @@ from leapctl.masks import MaskSet
 from leapctl.models import load_model
 from leapctl.paths import assets_dir
 from leapctl.prune import prune_model
+from leapctl.runs import MASKS_FILE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -129,7 +130,7 @@ def _leap(model: nn.Module, tokenizer, calib_ids: torch.Tensor, sparsity: float,
                              nsamples=calib_ids.shape[0], seed=setup.seed, init_masks=init_masks,
                              **LEAP_SETTINGS[setup.name])
         learn_masks(config)
-        masks = load_masks(out / "masks.safetensors")
+        masks = load_masks(out / MASKS_FILE)
     apply_masks(model, masks)
     return masks
 

@@ -103,7 +103,7 @@ def main() -> None:
         # Wanda mask with a larger learning rate and no magnitude term (bench/quality.py's CPU settings).
         run_step(f"learn a LEAP mask from the Wanda mask ({args.learn_steps} steps of 4 x 128 tokens)",
                  leapctl("learn", MODEL, "--sparsity", sparsity, "--calib", "wiki-summaries",
-                         "--init-masks", str(wanda_run / "masks.safetensors"), "--init-scale", "0.5",
+                         "--init-masks", str(wanda_run), "--init-scale", "0.5",
                          "--no-magnitude", "--lr", "0.05", "--steps", str(args.learn_steps),
                          "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", "128",
                          "--out", str(leap_run), "--overwrite"))

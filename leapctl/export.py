@@ -30,7 +30,7 @@ from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet, load_masks
 from leapctl.models import resolve_model
 from leapctl.outdir import atomic_output_dir
-from leapctl.runs import MASKS_FILE
+from leapctl.runs import MASKS_FILE, mask_source, masks_file
 from sparse_formats import FORMATS, get_format, nbytes
 
 MANIFEST_FILE = "manifest.json"
@@ -63,14 +63,11 @@ class Source:
 
 
 def resolve_source(spec: str, masks: Path | None = None) -> Source:
-    """A run folder (checkpoint + masks.safetensors) or a model plus an explicit mask file."""
+    """A run folder (checkpoint + its masks) or a model plus an explicit mask file (or run folder)."""
     path = resolve_model(spec)
-    mask_file = Path(masks) if masks is not None else path / MASKS_FILE
-    if not mask_file.is_file():
-        if masks is None:
-            raise LeapctlError(f"{spec} has no {MASKS_FILE}: pass --masks FILE or a run folder from "
-                               f"prune/learn")
-        raise LeapctlError(f"mask file {mask_file} does not exist")
+    mask_file = mask_source(masks) if masks is not None else masks_file(path)
+    if mask_file is None:
+        raise LeapctlError(f"{spec} has no {MASKS_FILE}: pass --masks FILE or a run folder from prune/learn")
     return Source(spec=spec, path=path.resolve(), mask_file=mask_file.resolve(),
                   mask_set=load_masks(mask_file))
 

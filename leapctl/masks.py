@@ -1,4 +1,5 @@
-"""`masks.safetensors`: one packed bitmap per pruned weight, the mask format every command reads.
+"""The mask file (`masks.safetensors` in a run folder): one packed bitmap per pruned weight, the mask
+format every command reads; and `masked_weight`, the one function that zeros pruned weights.
 
 Each tensor is keyed by the weight's name (`model.layers.0.self_attn.q_proj.weight`) and holds
 uint8 [rows, ceil(cols/8)], little-endian bits (bit j of byte b is column 8b+j, as compressed-tensors
@@ -82,6 +83,14 @@ def load_masks(path: Path) -> MaskSet:
     return MaskSet(masks=masks, model=metadata.get("model", ""), extra=extra)
 
 
+def masked_weight(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The pruned weight: kept values as they are, +0.0 at pruned positions. The one place that zeros
+    pruned weights, so every writer produces the same bits (multiplying by the mask would leave -0.0
+    where a negative weight was pruned)."""
+    zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
+    return torch.where(mask.to(weight.device), weight, zero)
+
+
 @torch.no_grad()
 def apply_masks(model: torch.nn.Module, mask_set: MaskSet) -> None:
     """Zero the pruned weights in place; every mask must name a weight of matching shape."""
@@ -93,34 +102,4 @@ def apply_masks(model: torch.nn.Module, mask_set: MaskSet) -> None:
         if tuple(weight.shape) != tuple(mask.shape):
             raise LeapctlError(f"mask for {name} has shape {tuple(mask.shape)}, "
                                f"weight has {tuple(weight.shape)}")
-        weight.mul_(mask.to(device=weight.device, dtype=weight.dtype))
-
-
-def write_masked_checkpoint(model_spec: str, masks_path: Path, out: Path, overwrite: bool = False) -> dict:
-    """`leapctl apply-mask`: load MODEL, zero the weights a mask file prunes and write a run folder
-    (checkpoint with zeros in place, the masks, a report) atomically; returns the report."""
-    from leapctl.models import load_model, resolve_model
-    from leapctl.outdir import atomic_output_dir, check_output_dir
-    from leapctl.runs import REPORT_FILE, save_run
-
-    check_output_dir(Path(out), overwrite)  # fail before the slow part
-    mask_set = load_masks(Path(masks_path))
-    from transformers import AutoConfig  # slow to import: only once the inputs look right
-
-    path = resolve_model(model_spec)
-    try:  # keep the checkpoint's own dtype: a bf16 model stays bf16
-        dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    except Exception:  # load_model reports an unreadable config in its own words
-        dtype = None
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        dtype = torch.float32
-    model, tokenizer = load_model(model_spec, dtype=dtype)
-    masks = MaskSet(masks=mask_set.masks, model=model_spec, extra=mask_set.extra)
-    report = {"command": "apply-mask", "masks_file": str(masks_path), "masks_model": mask_set.model,
-              "masks_extra": mask_set.extra}
-    with atomic_output_dir(Path(out), overwrite) as tmp:
-        save_run(tmp, model, tokenizer, masks, report)
-        full = json.loads((tmp / REPORT_FILE).read_text())
-    return full
+        weight.copy_(masked_weight(weight, mask))

@@ -4,6 +4,7 @@ Prunable layers are the `nn.Linear` modules inside the decoder blocks (q, k, v, 
 embeddings and `lm_head` are never pruned."""
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,6 +66,21 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     return model, tokenizer
 
 
+def checkpoint_dtype(spec: str) -> torch.dtype:
+    """The dtype a checkpoint's config declares (a bf16 model stays bf16 when rewritten); float32 when it
+    declares none. An unreadable config is left for `load_model` to report in its own words."""
+    from transformers import AutoConfig
+
+    path = resolve_model(spec)
+    try:
+        dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    except Exception:  # transformers raises many types for unreadable configs
+        return torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -81,20 +97,33 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def block_prefix(model: nn.Module) -> str:
-    """Qualified name of the decoder block list, e.g. `model.layers`."""
+@dataclass(frozen=True)
+class ModelLayout:
+    """What pruning works on, found once per model and passed to whoever needs it: the decoder blocks,
+    their qualified name (`model.layers`) and the prunable linears by qualified name, in model order."""
+
+    prefix: str
+    blocks: nn.ModuleList
+    linears: dict[str, nn.Linear]
+
+    def block_index(self, name: str) -> int:
+        """The decoder block of a layer or weight name (`model.layers.3.mlp.up_proj.weight` -> 3)."""
+        if not name.startswith(self.prefix + "."):
+            raise ValueError(f"{name} is not inside {self.prefix}")
+        return int(name[len(self.prefix) + 1:].split(".", 1)[0])
+
+    def block_linears(self, index: int) -> dict[str, nn.Linear]:
+        """The prunable linears of decoder block `index` (empty when include/exclude left none)."""
+        return {name: linear for name, linear in self.linears.items() if self.block_index(name) == index}
+
+
+def model_layout(model: nn.Module, include: str | None = None, exclude: str | None = None) -> ModelLayout:
+    """The model's layout; prunable linears are the `nn.Linear` modules inside the decoder blocks,
+    filtered by optional regexes (`re.search` on the qualified name)."""
     blocks = decoder_blocks(model)
-    for name, module in model.named_modules():
-        if module is blocks:
-            return name
-    raise LeapctlError("decoder blocks are not reachable by name")
-
-
-def prunable_linears(model: nn.Module, include: str | None = None,
-                     exclude: str | None = None) -> dict[str, nn.Linear]:
-    """`nn.Linear` modules inside the decoder blocks by qualified name, filtered by optional regexes
-    (`re.search` on the name); the default set is every linear in every block."""
-    prefix = block_prefix(model)
+    prefix = next((name for name, module in model.named_modules() if module is blocks), None)
+    if prefix is None:
+        raise LeapctlError("decoder blocks are not reachable by name")
     inc = re.compile(include) if include else None
     exc = re.compile(exclude) if exclude else None
     found = {}
@@ -108,4 +137,10 @@ def prunable_linears(model: nn.Module, include: str | None = None,
         found[name] = module
     if not found:
         raise LeapctlError("no prunable linear layers matched (check --include/--exclude)")
-    return found
+    return ModelLayout(prefix=prefix, blocks=blocks, linears=found)
+
+
+def prunable_linears(model: nn.Module, include: str | None = None,
+                     exclude: str | None = None) -> dict[str, nn.Linear]:
+    """Shorthand for `model_layout(model, include, exclude).linears`."""
+    return model_layout(model, include, exclude).linears

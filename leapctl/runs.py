@@ -1,29 +1,94 @@
-"""The run folder that `prune` and `learn` write and `eval`, `export` and `apply-mask` read:
-a Hugging Face checkpoint of the pruned model (zeros in place, config and tokenizer), `masks.safetensors`
-and `report.json`."""
+"""The run folder: what `prune`, `learn` and `apply-mask` write and what `eval`, `export`, `apply-mask`
+and `learn --init-masks` read. This module is its one owner: layout, writing, reading and the report.
+
+    RUN/config.json, model*.safetensors, tokenizer   the pruned model, zeros in place
+    RUN/report.json                                   how it was made, achieved sparsity
+    RUN/leapctl/masks.safetensors                     packed keep-masks (leapctl.masks)
+    RUN/leapctl/mask_logits.safetensors               learn --save-logits
+
+The top level is an ordinary Hugging Face checkpoint that stock transformers and vLLM load as it is. The
+mask files sit one folder down because vLLM loads every `*.safetensors` at the top of a folder that has no
+index. Folders written before this layout (`RUN/masks.safetensors`) are still read."""
 
 import json
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from leapctl import __version__
-from leapctl.masks import MaskSet, apply_masks, save_masks
+from leapctl.errors import LeapctlError
+from leapctl.masks import MaskSet, apply_masks, load_masks, save_masks
+from leapctl.outdir import atomic_output_dir, check_output_dir
 
-MASKS_FILE = "masks.safetensors"
+LEAPCTL_DIR = "leapctl"
+MASKS_FILE = f"{LEAPCTL_DIR}/masks.safetensors"
+LOGITS_FILE = f"{LEAPCTL_DIR}/mask_logits.safetensors"
+LEGACY_MASKS_FILE = "masks.safetensors"
 REPORT_FILE = "report.json"
 
 
-def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict) -> None:
-    """Write the masked checkpoint, the masks and the report into `out_dir` (an atomic temp folder)."""
+@dataclass
+class Run:
+    """A run folder as read back: where it is, its masks and its report (empty for hand-made folders)."""
+
+    path: Path
+    masks_file: Path
+    masks: MaskSet
+    report: dict
+
+
+def masks_file(run_dir: Path) -> Path | None:
+    """The mask file of a run folder (this layout or the older one), None when it has none."""
+    for relative in (MASKS_FILE, LEGACY_MASKS_FILE):
+        if (Path(run_dir) / relative).is_file():
+            return Path(run_dir) / relative
+    return None
+
+
+def mask_source(path: Path) -> Path:
+    """A mask file given as the file itself or as the run folder that holds it."""
+    path = Path(path)
+    if path.is_dir():
+        found = masks_file(path)
+        if found is None:
+            raise LeapctlError(f"{path} holds no {MASKS_FILE}: is it a run folder from prune or learn?")
+        return found
+    if not path.is_file():
+        raise LeapctlError(f"mask file {path} does not exist")
+    return path
+
+
+def read_run(run_dir: Path) -> Run:
+    """A run folder's masks and report; one clear error when it is not a run folder."""
+    run_dir = Path(run_dir)
+    found = masks_file(run_dir)
+    if found is None:
+        raise LeapctlError(f"{run_dir} holds no {MASKS_FILE}: is it a run folder from prune or learn?")
+    report_path = run_dir / REPORT_FILE
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    return Run(path=run_dir, masks_file=found, masks=load_masks(found), report=report)
+
+
+def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict) -> dict:
+    """Write the masked checkpoint, the masks and the report into `out_dir` (an atomic temp folder);
+    returns the report as written."""
     apply_masks(model, mask_set)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    (out_dir / LEAPCTL_DIR).mkdir(exist_ok=True)
     save_masks(out_dir / MASKS_FILE, mask_set)
+    full = run_report(mask_set, report)
+    (out_dir / REPORT_FILE).write_text(json.dumps(full, indent=2) + "\n")
+    return full
+
+
+def run_report(mask_set: MaskSet, report: dict) -> dict:
+    """`report` completed with what every run records: model, achieved sparsity, tool versions, time."""
     sparsity = mask_set.sparsity()
-    full = {
+    return {
         **report,
         "model": mask_set.model,
         "achieved_sparsity": {"global": sparsity.pop("global"), "per_layer": sparsity},
@@ -31,4 +96,48 @@ def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet
                  "python": platform.python_version()},
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    (out_dir / REPORT_FILE).write_text(json.dumps(full, indent=2) + "\n")
+
+
+def prune_run(config) -> dict:
+    """`leapctl prune`: load the model, calibrate, prune one-shot and write the run folder atomically;
+    returns the report. `config` is a `leapctl.prune.config.PruneConfig`."""
+    from leapctl.compute import dtype_from_name
+    from leapctl.data import calibration_batch
+    from leapctl.models import load_model
+    from leapctl.prune import CALIBRATED, prune_model
+
+    config.validate()
+    check_output_dir(Path(config.out), config.overwrite)  # fail before the slow part
+    model, tokenizer = load_model(config.model, dtype=dtype_from_name(config.dtype))
+    calib_ids, calibration = None, None
+    if config.method in CALIBRATED:
+        calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+                                      model=model, text_field=config.text_field)
+        calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
+                       "seed": config.seed, "tokens": int(calib_ids.numel())}
+    started = time.perf_counter()
+    mask_set = prune_model(model, config.method, config.sparsity, calib_ids, include=config.include,
+                           exclude=config.exclude, device=config.device, batch_size=config.batch_size,
+                           progress=config.progress)
+    seconds = time.perf_counter() - started
+    report = {"command": "prune", "method": config.method, "target_sparsity": config.sparsity,
+              "calibration": calibration, "include": config.include, "exclude": config.exclude,
+              "device": config.device, "dtype": config.dtype, "prune_seconds": round(seconds, 3)}
+    with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
+        return save_run(tmp, model, tokenizer, mask_set, report)
+
+
+def apply_mask_run(model_spec: str, masks: Path, out: Path, overwrite: bool = False) -> dict:
+    """`leapctl apply-mask`: load MODEL in its checkpoint's own dtype, zero the weights a mask file (or a
+    run folder's masks) prunes and write a run folder atomically; returns the report."""
+    from leapctl.models import checkpoint_dtype, load_model
+
+    check_output_dir(Path(out), overwrite)  # fail before the slow part
+    masks_path = mask_source(masks)
+    mask_set = load_masks(masks_path)
+    model, tokenizer = load_model(model_spec, dtype=checkpoint_dtype(model_spec))
+    report = {"command": "apply-mask", "masks_file": str(masks_path), "masks_model": mask_set.model,
+              "masks_extra": mask_set.extra}
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        return save_run(tmp, model, tokenizer, MaskSet(masks=mask_set.masks, model=model_spec,
+                                                       extra=mask_set.extra), report)

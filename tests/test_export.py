@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from leapctl.masks import MaskSet
 from leapctl.models import load_model, prunable_linears
-from leapctl.runs import save_run
+from leapctl.runs import MASKS_FILE, save_run
 
 UNPRUNED = "model.layers.4.mlp.down_proj"
 
@@ -56,7 +56,7 @@ def masked_reference(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, torc
     """(weights, masks) of the run, read independently of leapctl.export."""
     weights = load_file(str(run / "model.safetensors"))
     masks = {}
-    with safe_open(str(run / "masks.safetensors"), framework="pt") as handle:
+    with safe_open(str(run / MASKS_FILE), framework="pt") as handle:
         shapes = json.loads(handle.metadata()["shapes"])
         for name in handle.keys():
             packed = handle.get_tensor(name).numpy()
@@ -127,7 +127,7 @@ def test_bitmap_export_is_the_serving_checkpoint(pruned_run, tmp_path):
     # side files copied, run files not; manifest checksums match the files
     side_files = {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
     assert side_files <= {p.name for p in out.iterdir()}
-    assert not (out / "masks.safetensors").exists() and not (out / "report.json").exists()
+    assert not (out / "leapctl").exists() and not (out / "report.json").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     listed = {p.name for p in out.iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == listed
@@ -165,7 +165,7 @@ def test_compressed_tensors_layout_and_config(pruned_run, tmp_path):
 
 def test_model_plus_masks_equals_run_export(pruned_run, stories260k_dir, tmp_path):
     masks = tmp_path / "masks.safetensors"
-    masks.write_bytes((pruned_run / "masks.safetensors").read_bytes())
+    masks.write_bytes((pruned_run / MASKS_FILE).read_bytes())
     assert run_cli("export", stories260k_dir, "--masks", masks, "--format", "csr",
                    "--out", tmp_path / "a") == 0
     assert run_cli("export", pruned_run, "--format", "csr", "--out", tmp_path / "b") == 0

@@ -27,6 +27,7 @@ from leapctl.learn.mask import (
 from leapctl.learn.schedule import cosine_with_warmup, linear, magnitude_decay, mask_temperature
 from leapctl.learn.stream import WindowStream
 from leapctl.masks import load_masks
+from leapctl.runs import LOGITS_FILE, MASKS_FILE
 
 
 @pytest.fixture(autouse=True)
@@ -319,7 +320,7 @@ def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, cali
     out = tmp_path / "run"
     result = learn_masks(_config(stories260k_dir, calib_file, out, sparsity=0.6, save_logits=True))
     assert result.out == out and result.interrupted_by == 0
-    masks = load_masks(out / "masks.safetensors")
+    masks = load_masks(out / MASKS_FILE)
     total = sum(m.numel() for m in masks.masks.values())
     kept = sum(int(m.sum()) for m in masks.masks.values())
     assert kept == round(0.4 * total)
@@ -340,7 +341,7 @@ def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, cali
     for name, keep in masks.masks.items():
         torch.testing.assert_close(saved[name], dense[name] * keep)
     # the hard mask is the global top-k of the saved logits
-    logits = load_file(out / "mask_logits.safetensors")
+    logits = load_file(out / LOGITS_FILE)
     assert all(torch.equal(hard_masks(logits, 0.4)[n], masks.masks[n]) for n in masks.masks)
     assert not result.state_dir.exists()
 
@@ -353,7 +354,7 @@ def test_learn_moves_the_mask_away_from_wanda(stories260k_dir, calib_file, tmp_p
 
     config = _config(stories260k_dir, calib_file, tmp_path / "run", steps=6, lr=0.1)
     learn_masks(config)
-    learned = load_masks(tmp_path / "run" / "masks.safetensors").masks
+    learned = load_masks(tmp_path / "run" / MASKS_FILE).masks
     model, tokenizer = load_model(str(stories260k_dir))
     calib = calibration_batch(str(calib_file), tokenizer, 4, 32, 0)
     wanda = wanda_masks(model, calib, 0.5, in_place=False, progress=False).masks
@@ -376,8 +377,8 @@ def test_init_masks_file_gives_the_run_that_computing_wanda_gives(stories260k_di
     save_masks(tmp_path / "wanda.safetensors", wanda)
     learn_masks(_config(stories260k_dir, calib_file, tmp_path / "from-file", steps=2,
                         init_masks=tmp_path / "wanda.safetensors"))
-    a = load_masks(tmp_path / "computed" / "masks.safetensors").masks
-    b = load_masks(tmp_path / "from-file" / "masks.safetensors").masks
+    a = load_masks(tmp_path / "computed" / MASKS_FILE).masks
+    b = load_masks(tmp_path / "from-file" / MASKS_FILE).masks
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
     other_target = MaskSet({n: torch.ones_like(m) for n, m in wanda.masks.items()})

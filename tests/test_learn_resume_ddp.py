@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from leapctl.learn.mask import hard_masks
 from leapctl.masks import load_masks
+from leapctl.runs import LOGITS_FILE, MASKS_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -85,11 +86,11 @@ def uninterrupted(tmp_path_factory, stories260k_dir, calib) -> Path:
 
 
 def _assert_same_run(a: Path, b: Path) -> None:
-    logits_a, logits_b = load_file(a / "mask_logits.safetensors"), load_file(b / "mask_logits.safetensors")
+    logits_a, logits_b = load_file(a / LOGITS_FILE), load_file(b / LOGITS_FILE)
     assert logits_a.keys() == logits_b.keys()
     for name in logits_a:
         assert torch.equal(logits_a[name], logits_b[name]), name
-    masks_a, masks_b = load_masks(a / "masks.safetensors").masks, load_masks(b / "masks.safetensors").masks
+    masks_a, masks_b = load_masks(a / MASKS_FILE).masks, load_masks(b / MASKS_FILE).masks
     assert all(torch.equal(masks_a[n], masks_b[n]) for n in masks_a)
     steps_a = (a / "metrics.jsonl").read_text().splitlines()
     steps_b = (b / "metrics.jsonl").read_text().splitlines()
@@ -151,8 +152,8 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
         proc = subprocess.run(_torchrun(*_args(stories260k_dir, calib, out)), env=ENV, capture_output=True,
                               text=True, timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-    single = load_file(uninterrupted / "mask_logits.safetensors")
-    ddp = load_file(out / "mask_logits.safetensors")
+    single = load_file(uninterrupted / LOGITS_FILE)
+    ddp = load_file(out / LOGITS_FILE)
     difference = torch.cat([(single[n] - ddp[n]).abs().flatten() for n in single])
     assert difference.max() < 1e-2 and (difference < 1e-5).float().mean() > 0.99
     assert 0 < difference.max()  # two processes really ran with their own reduction order
@@ -161,8 +162,8 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
     ]
     lm_ddp = [json.loads(line)["lm_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lm_single == pytest.approx(lm_ddp, rel=1e-5)  # the same windows and noise on every step
-    masks_single = load_masks(uninterrupted / "masks.safetensors").masks
-    masks_ddp = load_masks(out / "masks.safetensors").masks
+    masks_single = load_masks(uninterrupted / MASKS_FILE).masks
+    masks_ddp = load_masks(out / MASKS_FILE).masks
     all_single = torch.cat([p.flatten() for p in single.values()])
     cut = all_single.kthvalue(all_single.numel() - round(0.5 * all_single.numel()) + 1).values
     for name in masks_single:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from leapctl.errors import LeapctlError
-from leapctl.models import block_prefix, decoder_blocks, load_model, prunable_linears, resolve_model
+from leapctl.models import decoder_blocks, load_model, model_layout, prunable_linears, resolve_model
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -19,7 +19,10 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 def test_prunable_linears_are_the_seven_projections_of_every_block(tiny_checkpoint, arch):
     model, tokenizer = load_model(str(tiny_checkpoint(arch)))
     assert len(decoder_blocks(model)) == model.config.num_hidden_layers == 2
-    assert block_prefix(model) == "model.layers"
+    layout = model_layout(model)
+    assert layout.prefix == "model.layers" and layout.blocks is decoder_blocks(model)
+    assert layout.block_index("model.layers.1.mlp.up_proj.weight") == 1
+    assert set(layout.block_linears(0)) == {f"model.layers.0.{proj}" for proj in PROJECTIONS}
     expected = {f"model.layers.{i}.{proj}" for i in range(2) for proj in PROJECTIONS}
     found = prunable_linears(model)
     assert set(found) == expected

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from leapctl.masks import load_masks
+from leapctl.runs import MASKS_FILE
 
 CALIB_TEXT = ("Once upon a time there was a little dog who liked to run in the park with his friends. " * 40)
 
@@ -39,7 +40,7 @@ def test_prune_writes_checkpoint_masks_and_report(tiny_checkpoint, calib_file, t
                                      "tokens": 128}
     assert report["achieved_sparsity"]["global"] == 0.5  # 64- and 128-wide layers: every group halves exactly
     assert len(report["achieved_sparsity"]["per_layer"]) == 14
-    masks = load_masks(out / "masks.safetensors")
+    masks = load_masks(out / MASKS_FILE)
     model = AutoModelForCausalLM.from_pretrained(out)
     params = dict(model.named_parameters())
     for name, keep in masks.masks.items():

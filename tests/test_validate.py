@@ -104,6 +104,7 @@ def test_edited_row_offset_fails_the_cli(damaged, capsys):
 def test_other_masks_are_caught(bitmap_export, pruned_run, stories260k_dir, tmp_path):  # noqa: F811
     from leapctl.masks import save_masks
     from leapctl.models import load_model
+    from leapctl.runs import MASKS_FILE
 
     model, _ = load_model(str(stories260k_dir))
     other = tmp_path / "other.safetensors"
@@ -112,7 +113,7 @@ def test_other_masks_are_caught(bitmap_export, pruned_run, stories260k_dir, tmp_
     assert problems == []
     # the same model with other masks as the reference: every pruned layer must differ
     other_run = Path(shutil.copytree(pruned_run, tmp_path / "run"))
-    shutil.copy(other, other_run / "masks.safetensors")
+    shutil.copy(other, other_run / MASKS_FILE)
     problems = failed(validate(bitmap_export, reference=str(other_run), end_to_end=False))
     layers = json.loads((bitmap_export / "manifest.json").read_text())["layers"]
     assert {target for kind, target, _ in problems if kind == "decode"} == set(layers)

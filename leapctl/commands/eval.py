@@ -1,69 +1,22 @@
 """`leapctl eval`: perplexity and zero-shot accuracy of several models side by side."""
 
-import json
-import os
 from pathlib import Path
 
-import typer
-
 from leapctl.cli import app
-from leapctl.errors import LeapctlError
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-@app.command("eval")
-def eval_models(
-    models: list[str] = typer.Argument(..., metavar="MODEL",
-                                       help="Local HF folders (run folders of prune/learn), hub ids or "
-                                            "built-in names; evaluated one after another."),
-    ppl: list[str] = typer.Option([], "--ppl", help="Perplexity text: a file (repeatable) or 'wikitext2' "
-                                                   "(WikiText-2 test from the shared assets). Default: "
-                                                   "wikitext2 when no --tasks are given."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Perplexity window; default the model's "
-                                                                "context capped at 4096."),
-    tasks: str = typer.Option("", "--tasks", help="Zero-shot tasks, comma-separated: "
-                                                  "piqa,winogrande,hellaswag."),
-    limit: int | None = typer.Option(None, "--limit", help="Only the first N items of each task."),
-    tasks_dir: Path | None = typer.Option(None, "--tasks-dir", help="Folder with piqa/, winogrande/, "
-                                                                    "hellaswag/; default the shared assets."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    batch_size: int = typer.Option(1, "--batch-size", help="Perplexity windows per forward pass."),
-) -> None:
-    """Perplexity (non-overlapping windows, as the pruning papers measure WikiText-2) and zero-shot
-    accuracy (lm-eval acc / acc_norm) of each MODEL, printed as a table, optionally saved as JSON."""
-    import torch
-
-    from leapctl.eval import evaluate_models, load_ppl_text, parse_tasks
-
-    if dtype not in DTYPES:
-        raise LeapctlError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        raise LeapctlError(f"unknown --device {device!r} (auto, cpu or cuda)")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device.startswith("cuda") and not torch.cuda.is_available():
-        raise LeapctlError("--device cuda, but no CUDA device is available")
-    task_names = parse_tasks(tasks)
-    texts = [load_ppl_text(spec) for spec in (ppl or ([] if task_names else ["wikitext2"]))]
-    if json_out is not None and json_out.is_dir():
-        raise LeapctlError(f"--json {json_out} is a folder")
-
-    results = evaluate_models(models, texts, task_names, seq_len=seq_len, limit=limit, tasks_dir=tasks_dir,
-                              device=device, dtype=getattr(torch, dtype), batch_size=batch_size)
-    if json_out is not None:
-        _write_json_atomically(json_out, results)
-    _print_table(results)
+from leapctl.eval.config import EvalConfig
+from leapctl.settings import config_command
 
 
-def _write_json_atomically(path: Path, results: dict) -> None:
-    """Write beside the target and rename, so an interrupted run leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(partial, path)
+def _eval(config: EvalConfig) -> None:
+    from leapctl.eval import run_eval
+
+    _print_table(run_eval(config))
+
+
+config_command(app, EvalConfig, _eval, name="eval",
+               help="Perplexity (non-overlapping windows, as the pruning papers measure WikiText-2) and "
+                    "zero-shot accuracy (lm-eval acc / acc_norm) of each MODEL, printed as a table, "
+                    "optionally saved as JSON.")
 
 
 def _label(spec: str) -> str:

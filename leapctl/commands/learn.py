@@ -19,7 +19,7 @@ def learn(
         0.5, "--sparsity", help="Target fraction of zeros over all masked weights."
     ),
     out: Path = typer.Option(
-        ..., "--out", help="Output folder (checkpoint, masks.safetensors, report, plots)."
+        ..., "--out", help="Output run folder (checkpoint, masks, report, plots)."
     ),
     calib: str = typer.Option(
         "wiki-summaries",
@@ -52,7 +52,7 @@ def learn(
     ),
     init_scale: float = typer.Option(3.0, "--init-scale", help="s of the +-s Wanda initialisation."),
     init_masks: Path | None = typer.Option(
-        None, "--init-masks", help="Start from this mask file (a prune run's masks.safetensors), not Wanda."
+        None, "--init-masks", help="Start from these masks (a prune run folder or its mask file), not Wanda."
     ),
     nsamples: int = typer.Option(
         128, "--nsamples", help="Calibration sequences for the Wanda initialisation."

@@ -4,7 +4,9 @@
 perplexity texts and zero-shot tasks, as one JSON-ready dict."""
 
 import gc
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 
 from leapctl.errors import LeapctlError
+from leapctl.eval.config import EvalConfig
 from leapctl.eval.perplexity import (
     DOCUMENT_SEPARATOR,
     default_seq_len,
@@ -24,8 +27,8 @@ from leapctl.eval.perplexity import (
 )
 from leapctl.eval.zeroshot import TASKS, check_task_files, parse_tasks, zero_shot
 
-__all__ = ["perplexity", "perplexity_documents", "zero_shot", "evaluate_models", "PplText", "load_ppl_text",
-           "TASKS", "parse_tasks", "read_wikitext", "split_documents"]
+__all__ = ["perplexity", "perplexity_documents", "zero_shot", "evaluate_models", "run_eval", "PplText",
+           "load_ppl_text", "TASKS", "parse_tasks", "read_wikitext", "split_documents"]
 
 WIKITEXT2 = "wikitext2"
 WIKITEXT2_FILE = "wikitext-2-raw/wiki.test.lf.raw"
@@ -123,3 +126,30 @@ def evaluate_models(models: list[str], ppl_texts: list[PplText], tasks: list[str
         "models": results,
     }
 
+
+
+def run_eval(config: EvalConfig) -> dict:
+    """`leapctl eval`: check the settings, load the texts, evaluate every model, write `--json` atomically;
+    returns the results."""
+    from leapctl.compute import dtype_from_name, resolve_device
+
+    dtype = dtype_from_name(config.dtype)
+    device = resolve_device(config.device)
+    task_names = parse_tasks(config.tasks)
+    texts = [load_ppl_text(spec) for spec in (config.ppl or ([] if task_names else [WIKITEXT2]))]
+    if config.json_out is not None and config.json_out.is_dir():
+        raise LeapctlError(f"--json {config.json_out} is a folder")
+    results = evaluate_models(config.models, texts, task_names, seq_len=config.seq_len, limit=config.limit,
+                              tasks_dir=config.tasks_dir, device=str(device), dtype=dtype,
+                              batch_size=config.batch_size, progress=config.progress)
+    if config.json_out is not None:
+        _write_json_atomically(config.json_out, results)
+    return results
+
+
+def _write_json_atomically(path: Path, results: dict) -> None:
+    """Write beside the target and rename, so an interrupted run leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(partial, path)

@@ -125,7 +125,7 @@ class LearnConfig:
         if self.init_masks is not None:
             if self.init == "random":
                 raise LeapctlError("--init-masks goes with --init wanda or wanda-small, not random")
-            if not Path(self.init_masks).is_file():
+            if not Path(self.init_masks).exists():
                 raise LeapctlError(f"--init-masks {self.init_masks} does not exist")
         if self.hard_mask not in HARD_MASK_MODES:
             raise LeapctlError(

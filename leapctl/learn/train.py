@@ -41,11 +41,11 @@ from leapctl.learn.mask import MaskState, attach_masks, detach_masks, hard_masks
 from leapctl.learn.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
 from leapctl.learn.stream import WindowStream
 from leapctl.masks import MaskSet, load_masks
-from leapctl.models import block_prefix, decoder_blocks, load_model, prunable_linears
+from leapctl.models import decoder_blocks, load_model, model_layout, prunable_linears
 from leapctl.outdir import atomic_output_dir, check_output_dir
+from leapctl.runs import LOGITS_FILE, mask_source, save_run
 
 METRICS_FILE = "metrics.jsonl"
-LOGITS_FILE = "mask_logits.safetensors"
 # An initial mask may miss the target a little (Wanda keeps whole-row counts: 0.595 at 60%); the density
 # term and the exact final top-k take care of that, but a mask for another target is a mistake.
 INIT_MASKS_SPARSITY_SLACK = 0.02
@@ -353,7 +353,6 @@ def learn_masks(config: LearnConfig) -> LearnResult:
         )
         with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
             from leapctl.learn.plots import plot_density_per_block, plot_losses
-            from leapctl.runs import save_run
 
             block_density = _density_per_block(model_cpu, keep)
             report["density_per_block"] = block_density
@@ -451,7 +450,7 @@ def _initial_keep_masks(config: LearnConfig, model, tokenizer, linears, device) 
 def _keep_masks_from_file(path: Path, linears, sparsity: float) -> dict[str, torch.Tensor]:
     """Masks of an earlier run (say `prune --method wanda` or `sparsegpt`), so the initialiser is not
     computed twice; they must cover exactly the layers being learned, near the target sparsity."""
-    mask_set = load_masks(path)
+    mask_set = load_masks(mask_source(path))
     expected = {f"{name}.weight": tuple(linear.weight.shape) for name, linear in linears.items()}
     if set(mask_set.masks) != set(expected):
         missing = sorted(set(expected) - set(mask_set.masks))
@@ -644,11 +643,11 @@ def _plain_model(model, masked, fsdp: bool, config: LearnConfig):
 
 def _density_per_block(model, keep: dict[str, torch.Tensor]) -> list[float]:
     """Kept fraction of the masked weights of each decoder block (the paper's allocation figure)."""
-    prefix = block_prefix(model)
-    blocks = len(decoder_blocks(model))
+    layout = model_layout(model)
+    blocks = len(layout.blocks)
     kept, total = [0] * blocks, [0] * blocks
     for name, mask in keep.items():
-        index = int(name[len(prefix) + 1 :].split(".", 1)[0])
+        index = layout.block_index(name)
         kept[index] += int(mask.sum())
         total[index] += mask.numel()
     return [k / t if t else math.nan for k, t in zip(kept, total, strict=True)]

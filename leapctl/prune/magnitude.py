@@ -7,7 +7,7 @@ produced the published LLaMA-2-7B figure. Needs no calibration data."""
 import torch
 from torch import nn
 
-from leapctl.masks import MaskSet
+from leapctl.masks import MaskSet, masked_weight
 from leapctl.models import prunable_linears
 from leapctl.prune.select import keep_mask_per_row, prune_count
 
@@ -26,7 +26,7 @@ def magnitude_masks(model: nn.Module, sparsity: float, include: str | None = Non
     for name, linear in prunable_linears(model, include, exclude).items():
         keep = magnitude_keep_mask(linear.weight, sparsity)
         if in_place:
-            linear.weight.mul_(keep.to(device=linear.weight.device, dtype=linear.weight.dtype))
+            linear.weight.copy_(masked_weight(linear.weight, keep))
         masks[f"{name}.weight"] = keep.cpu()
     return MaskSet(masks=masks, model=str(getattr(model, "name_or_path", "")),
                    extra={"method": "magnitude", "target_sparsity": sparsity})

@@ -20,9 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
+from leapctl.compute import resolve_device
 from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet
-from leapctl.models import block_prefix, decoder_blocks, prunable_linears
+from leapctl.models import ModelLayout, model_layout
 
 
 class LayerPruner(Protocol):
@@ -66,12 +67,11 @@ def _device_of(module: nn.Module) -> torch.device | None:
 
 
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, calib_ids: torch.Tensor, device: torch.device,
+def capture_block_inputs(model: nn.Module, layout: ModelLayout, calib_ids: torch.Tensor, device: torch.device,
                          batch_size: int) -> tuple[torch.Tensor, list[list[tuple]]]:
     """Hidden states entering block 0 [n, seq, hidden] on `device`, and per block per batch the
     (args, kwargs) the model passes to that block."""
-    blocks = decoder_blocks(model)
-    prefix = block_prefix(model)
+    blocks, prefix = layout.blocks, layout.prefix
     owner = model.get_submodule(prefix.rsplit(".", 1)[0]) if "." in prefix else model
     outside = _modules_outside(model, blocks)
     homes = [_device_of(m) for m in outside]
@@ -111,19 +111,6 @@ def _batch_slices(block_args: list[tuple], batch_size: int) -> list[slice]:
     return [slice(i * batch_size, (i + 1) * batch_size) for i in range(len(block_args))]
 
 
-def resolve_device(device: str | torch.device | None, model: nn.Module) -> torch.device:
-    """`auto` or None: CUDA when present, else where the model is; otherwise the device named."""
-    if device is None or device == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else _device_of(model)
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise LeapctlError(f"unknown device {device!r} (use auto, cpu or cuda)") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise LeapctlError("device cuda requested but no CUDA GPU is available")
-    return resolved
-
-
 @torch.no_grad()
 def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
                        make_pruner: Callable[[nn.Linear], LayerPruner], sparsity: float, method: str,
@@ -137,11 +124,10 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
     if calib_ids.dim() != 2 or calib_ids.shape[0] == 0 or calib_ids.shape[1] == 0:
         raise LeapctlError(f"calibration batch must be [nsamples, seq_len] token ids, "
                            f"got shape {tuple(calib_ids.shape)}")
-    compute = resolve_device(device, model)
-    targets = prunable_linears(model, include, exclude)
-    blocks = decoder_blocks(model)
-    prefix = block_prefix(model)
-    hidden, block_args = capture_block_inputs(model, calib_ids, compute, batch_size)
+    compute = resolve_device(device)
+    layout = model_layout(model, include, exclude)
+    blocks = layout.blocks
+    hidden, block_args = capture_block_inputs(model, layout, calib_ids, compute, batch_size)
     slices = _batch_slices(block_args[0], batch_size)
     masks: dict[str, torch.Tensor] = {}
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -150,7 +136,7 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
         for index, block in enumerate(blocks):
             home = _device_of(block)
             block.to(compute)
-            mine = {name: linear for name, linear in targets.items() if name.startswith(f"{prefix}.{index}.")}
+            mine = layout.block_linears(index)
             dense = {} if in_place else {name: lin.weight.detach().clone() for name, lin in mine.items()}
             if mine:
                 pruners = {name: make_pruner(linear) for name, linear in mine.items()}

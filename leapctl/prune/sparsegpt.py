@@ -11,7 +11,7 @@ floor(rows * block_columns * sparsity) weights (the reference cuts at a threshol
 import torch
 from torch import nn
 
-from leapctl.masks import MaskSet
+from leapctl.masks import MaskSet, masked_weight
 from leapctl.prune.select import keep_mask_per_row, prune_count
 from leapctl.prune.sequential import prune_sequentially
 
@@ -82,7 +82,7 @@ class SparseGPTPruner:
         self.xtx = None  # free the statistics before the reconstruction allocates
         weight, keep = sparsegpt_prune_weight(self.linear.weight, hessian, sparsity,
                                               self.blocksize, self.percdamp)
-        self.linear.weight.copy_(weight.to(self.linear.weight.dtype))
+        self.linear.weight.copy_(masked_weight(weight.to(self.linear.weight.dtype), keep))
         return keep
 
 

@@ -7,7 +7,7 @@ Each row loses exactly floor(in_features * sparsity) weights."""
 import torch
 from torch import nn
 
-from leapctl.masks import MaskSet
+from leapctl.masks import MaskSet, masked_weight
 from leapctl.prune.select import keep_mask_per_row, prune_count
 from leapctl.prune.sequential import prune_sequentially
 
@@ -34,7 +34,7 @@ class WandaPruner:
     @torch.no_grad()
     def prune(self, sparsity: float) -> torch.Tensor:
         keep = wanda_keep_mask(self.linear.weight, self.sq_sum / max(self.tokens, 1), sparsity)
-        self.linear.weight.mul_(keep.to(self.linear.weight.dtype))
+        self.linear.weight.copy_(masked_weight(self.linear.weight, keep))
         return keep
 
 

@@ -32,8 +32,10 @@ REPORT_FILE = "report.json"
 
 @dataclass
 class Run:
-    """A run folder as read back: where it is, its masks and its report (empty for hand-made folders)."""
+    """A run folder as read back (or a model with a mask file): the model as named, its local folder,
+    the masks and the report (empty when the folder has none)."""
 
+    spec: str
     path: Path
     masks_file: Path
     masks: MaskSet
@@ -54,22 +56,26 @@ def mask_source(path: Path) -> Path:
     if path.is_dir():
         found = masks_file(path)
         if found is None:
-            raise LeapctlError(f"{path} holds no {MASKS_FILE}: is it a run folder from prune or learn?")
+            raise LeapctlError(f"{path} is not a run folder from prune or learn (no {MASKS_FILE})")
         return found
     if not path.is_file():
         raise LeapctlError(f"mask file {path} does not exist")
     return path
 
 
-def read_run(run_dir: Path) -> Run:
-    """A run folder's masks and report; one clear error when it is not a run folder."""
-    run_dir = Path(run_dir)
-    found = masks_file(run_dir)
+def read_run(spec: str | Path, masks: Path | None = None) -> Run:
+    """A run folder (local, or any MODEL spec that resolves to one), or a model plus `masks` (a mask file
+    or a run folder whose masks to use); one clear error when there are no masks."""
+    from leapctl.models import resolve_model
+
+    path = resolve_model(str(spec)).resolve()
+    found = mask_source(masks) if masks is not None else masks_file(path)
     if found is None:
-        raise LeapctlError(f"{run_dir} holds no {MASKS_FILE}: is it a run folder from prune or learn?")
-    report_path = run_dir / REPORT_FILE
+        raise LeapctlError(f"{spec} is not a run folder from prune or learn (no {MASKS_FILE}); "
+                           f"pass its masks with --masks FILE")
+    report_path = path / REPORT_FILE
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    return Run(path=run_dir, masks_file=found, masks=load_masks(found), report=report)
+    return Run(spec=str(spec), path=path, masks_file=found.resolve(), masks=load_masks(found), report=report)
 
 
 def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict) -> dict:

@@ -173,17 +173,29 @@ def test_model_plus_masks_equals_run_export(pruned_run, stories260k_dir, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_tiled_csl_needs_16_bit_values(pruned_run, tmp_path, capsys):
-    assert run_cli("export", pruned_run, "--format", "tiled-csl", "--out", tmp_path / "t") == 2
-    assert "--dtype float16" in capsys.readouterr().err
-    assert not (tmp_path / "t").exists()
-    assert run_cli("export", pruned_run, "--format", "tiled-csl", "--dtype", "float16", "--out",
-                   tmp_path / "t") == 0
+def test_tiled_csl_casts_an_fp32_run_to_the_16_bits_it_needs(pruned_run, tmp_path, capsys):
+    """The fp32 run exports as float16 by default, saying so in one line; --dtype picks bfloat16 and
+    refuses float32 (the format cannot hold it) with one line and nothing written."""
+    assert run_cli("export", pruned_run, "--format", "tiled-csl", "--out", tmp_path / "t") == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "casting" in line]
+    assert len(said) == 1 and "float16" in said[0] and "float32" in said[0]
     config = json.loads((tmp_path / "t" / "config.json").read_text())
     assert config["quantization_config"]["format"] == "tiled-csl" and config["dtype"] == "float16"
     tensors = read_export(tmp_path / "t")
     assert tensors["model.embed_tokens.weight"].dtype == torch.float16
     assert tensors["model.layers.0.mlp.up_proj.words"].dtype == torch.int32
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert manifest["dtype"] == "float16" and "casting" in manifest["dtype_cast_reason"]
+
+    assert run_cli("export", pruned_run, "--format", "tiled-csl", "--dtype", "bfloat16", "--out",
+                   tmp_path / "b") == 0
+    assert "casting" not in capsys.readouterr().err
+    assert read_export(tmp_path / "b")["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert run_cli("export", pruned_run, "--format", "tiled-csl", "--dtype", "float32", "--out",
+                   tmp_path / "f") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "float16 or bfloat16" in err
+    assert not (tmp_path / "f").exists()
 
 
 def test_bad_input_is_one_line_and_writes_nothing(pruned_run, stories260k_dir, tmp_path, capsys):

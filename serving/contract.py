@@ -1,0 +1,63 @@
+"""The `leap_sparse` serving contract, in one place and without vLLM imports: what an export writes into
+`config.json`, which formats the vLLM plugin loads and with which stored tensors, and the settings the
+plugin reads. `leapctl export` writes it, `leapctl serve` checks it before starting anything, and the
+plugin parses it; none of them spells these names on its own.
+
+    "quantization_config": {"quant_method": "leap_sparse", "format": "bitmap", "sparsity": 0.5,
+                             "ignore": ["lm_head"]}
+
+`ignore` lists the linear layers left dense. Kernel layouts (`tiled-csl`, `tiled-bitmap`) are written with
+the same method name for the tools that read them, but the plugin serves only `SERVABLE_FORMATS`."""
+
+import os
+from dataclasses import dataclass
+
+QUANT_METHOD = "leap_sparse"
+# Per servable format, the tensors each pruned projection X stores as `X.<name>`, in load order.
+SERVABLE_FORMATS: dict[str, tuple[str, ...]] = {
+    "bitmap": ("shape", "bitmap", "values", "row_offsets"),
+    "csr": ("shape", "values", "col_indices", "row_ptr"),
+}
+# Keep dense weights at load (prefill-heavy traffic): "1" in the environment, or `decode_dense: true`.
+DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
+
+
+@dataclass(frozen=True)
+class LeapSparseSettings:
+    """A checkpoint's `quantization_config` as the plugin uses it."""
+
+    fmt: str
+    sparsity: float
+    ignore: tuple[str, ...] = ()
+    decode_dense: bool = False
+
+    def to_config(self) -> dict:
+        """The `quantization_config` entry of config.json."""
+        config = {"quant_method": QUANT_METHOD, "format": self.fmt, "sparsity": self.sparsity,
+                  "ignore": list(self.ignore)}
+        if self.decode_dense:
+            config["decode_dense"] = True
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict, environ: dict | None = None) -> "LeapSparseSettings":
+        """Parse and check a `quantization_config`; ValueError (one line) when the plugin cannot serve it."""
+        problem = serving_problem(config)
+        if problem:
+            raise ValueError(f"{QUANT_METHOD}: {problem}")
+        environ = os.environ if environ is None else environ
+        decode_dense = bool(config.get("decode_dense", False)) or environ.get(DECODE_DENSE_ENV, "0") == "1"
+        return cls(fmt=config["format"], sparsity=float(config.get("sparsity", 0.0)),
+                   ignore=tuple(config.get("ignore", ())), decode_dense=decode_dense)
+
+
+def serving_problem(quantization_config: dict | None) -> str | None:
+    """Why the plugin cannot serve a checkpoint with this `quantization_config`; None when it can."""
+    method = (quantization_config or {}).get("quant_method")
+    if method != QUANT_METHOD:
+        return f"not a {QUANT_METHOD} checkpoint (quant_method {method!r})"
+    fmt = quantization_config.get("format")
+    if fmt not in SERVABLE_FORMATS:
+        return (f"format {fmt!r} is not servable; the plugin serves {' and '.join(SERVABLE_FORMATS)} "
+                f"(export with --format bitmap)")
+    return None

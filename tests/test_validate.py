@@ -1,6 +1,7 @@
-"""`leapctl validate`: an intact export passes every check; each kind of damage (truncated shard, flipped
-byte, dropped tensor, edited row offset, other masks, a wrong serving op) fails and names its file or
-tensor."""
+"""`leapctl validate`: an intact export of every format passes every check; each kind of damage (truncated
+shard, flipped byte, dropped tensor, edited row offset, unlisted file, misplaced index entry, unexpected
+tensor, changed dense tensor, a bitmap that differs from the reference mask, differing logits, other masks,
+a wrong serving op, no reference at all) fails and names its file or tensor."""
 
 import json
 import shutil
@@ -136,3 +137,154 @@ def test_a_wrong_serving_op_is_caught(bitmap_export, monkeypatch):
 def test_not_an_export(tmp_path, capsys):
     assert run_cli("validate", tmp_path) == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+def restamp(export_dir: Path, *files: Path) -> None:
+    """Record edited files' new sizes and checksums in the manifest, as a faulty writer would have: the
+    files check then passes and the damage must be caught by what the content says."""
+    from leapctl.exporters.base import sha256_file
+
+    manifest_path = export_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for path in files:
+        manifest["files"][path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_an_unlisted_file_is_named(damaged):
+    (damaged / "notes.txt").write_text("not from the exporter")
+    assert ("files", "notes.txt", "not listed in the manifest") in failed(validate(damaged, end_to_end=False))
+
+
+def test_an_index_that_points_at_the_wrong_shard_is_named(damaged):
+    index_path = damaged / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    tensor = f"{LAYER}.values"
+    elsewhere = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][tensor])
+    index["weight_map"][tensor] = elsewhere
+    index_path.write_text(json.dumps(index))
+    restamp(damaged, index_path)
+    problems = failed(validate(damaged, end_to_end=False))
+    assert ("tensors", tensor, f"the index puts it in {elsewhere}, which does not hold it") in problems
+
+
+def test_an_unexpected_tensor_is_named(damaged):
+    import torch
+
+    shard = shard_of(damaged, f"{LAYER}.values")
+    rewrite(damaged, f"{LAYER}.values", lambda t: t.update({"model.stowaway": torch.zeros(3)}))
+    restamp(damaged, shard)
+    assert ("tensors", "model.stowaway", f"unexpected tensor in {shard.name}") in failed(
+        validate(damaged, end_to_end=False))
+
+
+def test_a_changed_dense_tensor_is_named(damaged):
+    shard = shard_of(damaged, "model.norm.weight")
+    rewrite(damaged, "model.norm.weight", lambda t: t["model.norm.weight"].mul_(1.5))
+    restamp(damaged, shard)
+    problems = failed(validate(damaged, end_to_end=False))
+    assert [(kind, target) for kind, target, _ in problems] == [("dense", "model.norm.weight")]
+    assert "weights differ from the reference" in problems[0][2]
+
+
+def test_a_bitmap_that_drops_a_kept_zero_is_named(stories260k_dir, tmp_path):
+    """Values alone cannot show it: the reference keeps a weight whose value is 0.0, the damaged bitmap
+    marks it pruned and drops that value, and the layer still decodes to the same numbers."""
+    import torch
+
+    from leapctl.models import load_model
+    from leapctl.runs import save_run
+
+    model, tokenizer = load_model(str(stories260k_dir))
+    masks = random_masks(model)
+    name = f"{LAYER}.weight"
+    col = int(masks.masks[name][0].nonzero()[0])
+    with torch.no_grad():
+        dict(model.named_parameters())[name][0, col] = 0.0
+    run = tmp_path / "run"
+    run.mkdir()
+    save_run(run, model, tokenizer, masks, {"method": "random"})
+    out = tmp_path / "bitmap"
+    export(str(run), "bitmap", out)
+    assert failed(validate(out, end_to_end=False)) == []
+
+    def drop_first_kept_of_row_0(tensors):
+        tensors[f"{LAYER}.bitmap"][0, col // 8] &= ~(1 << (col % 8))
+        tensors[f"{LAYER}.values"] = tensors[f"{LAYER}.values"][1:].clone()
+        tensors[f"{LAYER}.row_offsets"][1:] -= 1
+
+    rewrite_single(out, drop_first_kept_of_row_0)
+    problems = failed(validate(out, end_to_end=False))
+    assert problems == [("decode", LAYER, "bitmap differs from the reference mask at 1 positions")]
+
+
+def rewrite_single(export_dir: Path, edit) -> None:
+    shard = export_dir / "model.safetensors"
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    restamp(export_dir, shard)
+
+
+def test_differing_logits_are_named(damaged):
+    """A config edited after export (every tensor intact) changes what the model computes."""
+    config_path = damaged / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rms_norm_eps"] = 0.5
+    config_path.write_text(json.dumps(config))
+    restamp(damaged, config_path)
+    problems = failed(validate(damaged))
+    assert {kind for kind, _, _ in problems} <= {"logits", "generate"}
+    assert any(kind == "logits" and "max |difference|" in detail for kind, _, detail in problems)
+
+
+def test_no_reachable_reference_says_nothing_was_compared(bitmap_export, tmp_path, capsys):
+    """The export moved to a machine without its source: validate must not report success."""
+    moved = Path(shutil.copytree(bitmap_export, tmp_path / "moved"))
+    manifest_path = moved / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["source"]["path"] = str(tmp_path / "gone")
+    manifest["masks"]["file"] = str(tmp_path / "gone" / "masks.safetensors")
+    manifest_path.write_text(json.dumps(manifest))
+    report = validate(moved)
+    assert [c.kind for c in report.failures] == ["reference"]
+    assert "nothing was compared" in report.failures[0].detail
+    assert not any(c.kind in ("decode", "logits") and c.ok for c in report.checks)
+    assert run_cli("validate", moved) == 1
+    out = capsys.readouterr().out
+    assert "nothing was compared" in out and "all checks passed" not in out
+
+
+@pytest.mark.parametrize("fmt", ["bitmap", "csr", "tiled-csl", "tiled-bitmap", "compressed-tensors"])
+def test_every_checkpoint_format_exports_and_validates_bit_for_bit(pruned_run, tmp_path, fmt):  # noqa: F811
+    from leapctl.exporters import exporter_names
+
+    assert fmt in exporter_names()
+    out = tmp_path / fmt
+    manifest = export(str(pruned_run), fmt, out)
+    report = validate(out)
+    assert failed(report) == []
+    decoded = [c for c in report.checks if c.kind == "decode" and c.ok]
+    assert len(decoded) == len(manifest["layers"]) and all("bit-exact" in c.detail for c in decoded)
+    assert any(c.kind == "logits" and c.ok for c in report.checks)
+
+
+def test_csr_export_decodes_with_scipy(pruned_run, tmp_path):  # noqa: F811
+    """An independent decoder: scipy's CSR matrix from the stored arrays equals the masked weight."""
+    import numpy as np
+    import scipy.sparse
+    import torch
+    from test_export import masked_reference, read_export
+
+    out = tmp_path / "csr"
+    export(str(pruned_run), "csr", out)
+    tensors = read_export(out)
+    weights, masks = masked_reference(pruned_run)
+    for name, mask in masks.items():
+        layer = name.removesuffix(".weight")
+        rows, cols = tensors[f"{layer}.shape"].tolist()
+        matrix = scipy.sparse.csr_matrix((tensors[f"{layer}.values"].numpy(),
+                                          tensors[f"{layer}.col_indices"].numpy(),
+                                          tensors[f"{layer}.row_ptr"].numpy()), shape=(rows, cols))
+        expected = torch.where(mask, weights[name], 0.0).numpy()
+        np.testing.assert_array_equal(matrix.toarray(), expected)

@@ -1,6 +1,6 @@
 """Sparse tiled-bitmap kernel against cuBLAS on the dense masked weight, side by side in one run (GPU only).
 
-    python bench/kernels.py [--dtype fp16|bf16] [--peak-tbps 3.35] [--quick]
+    python bench/kernels.py [--dtype float16|bfloat16] [--peak-tbps 3.35] [--quick]
 
 For every Llama-3.1-8B and Llama-3.2-1B projection shape, sparsity 50/60/70% and M tokens in
 1..128 it times `tiled_bitmap_linear` and `torch.matmul(x, W.T)` on the same masked weight, after
@@ -30,6 +30,7 @@ import torch
 from gpu_timing import fail, median_graph_ms, require_cuda_and_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from leapctl.compute import dtype_from_name  # noqa: E402  (the repository root is on the path now)
 
 SHAPES = {  # [n, k] = [out_features, in_features]
     "Llama-3.1-8B": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
@@ -40,7 +41,6 @@ PREFILL_TOKENS = [256, 1024, 4096]  # at 50% only: where the dispatcher's dense 
 SPARSITIES = [0.5, 0.6, 0.7]
 ROTATION_BYTES = 400 * 2**20  # weights cycled per graph; the H100/H200 L2 is 50-60 MB
 PEAK_TBPS = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35)]  # first match wins
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def peak_tbps(device_name: str, override: float | None) -> float:
@@ -123,7 +123,7 @@ def measure(m: int, dense: torch.Tensor, dense_copies: list, sparse_copies: list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--peak-tbps", type=float, default=None, help="peak HBM bandwidth, TB/s")
     parser.add_argument("--quick", action="store_true", help="one shape per model, 50%% only")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -132,7 +132,7 @@ def main() -> None:
     from serving.kernels.tiled_bitmap_triton import tiled_bitmap_linear
     from sparse_formats import nbytes
 
-    dtype = DTYPES[args.dtype]
+    dtype = dtype_from_name(args.dtype)
     device = torch.cuda.get_device_name()
     peak = peak_tbps(device, args.peak_tbps) * 1e12
     shapes = [(model, shape) for model, group in SHAPES.items()

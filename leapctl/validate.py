@@ -6,13 +6,16 @@ Checks, each reported per file or per tensor so that a failure names what is wro
 3. format: each pruned layer passes its format's `check()`;
 4. decode: each layer decodes bit for bit to the reference weight with the reference mask applied, and
    every dense tensor equals the reference's;
-5. sparse-linear: serving's CPU op `bitmap_linear` on each layer matches the dense masked matmul;
+5. sparse-linear: serving's CPU ops on each layer match the dense masked matmul: the per-call decode op
+   `bitmap_linear` and the native kernel on every instruction set this CPU runs (AVX-512, AVX2);
 6. logits and generate: a dense model rebuilt from the decoded export gives the reference's logits and
    greedy generations on a few prompts (ONNX exports: onnxruntime's logits).
 The reference is the source recorded in the manifest, or `--reference`."""
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -303,32 +306,48 @@ def _check_dense_tensors(manifest: dict, tensors: dict, ref: Reference | None, r
 
 
 def _check_sparse_linear(manifest: dict, tensors: dict, layers: dict, report: Report, seed: int) -> None:
-    """serving's `bitmap_linear` (CPU) on each layer against the dense masked matmul in the same dtype."""
+    """serving's CPU ops on each layer against the dense masked matmul in the same dtype: the decode op
+    and the native kernel on each instruction set this CPU runs (when it can be built here)."""
     fmt = manifest["format"]
     if fmt not in SERVED_FORMATS:
         report.add("sparse-linear", "all layers", None, f"{fmt} is not a serving format")
         return
     try:
+        from serving import cpu_kernel
         from serving.sparse_linear import BitmapWeight, bitmap_linear
     except ImportError as exc:
         report.add("sparse-linear", "all layers", None, f"serving.sparse_linear is not importable: {exc}")
         return
+    paths = {"decode": lambda: nullcontext()}
+    if cpu_kernel.load():
+        paths |= {isa: partial(cpu_kernel.using_isa, isa) for isa in cpu_kernel.supported_isas()}
+    else:
+        report.add("sparse-linear", "native CPU kernel", None,
+                   f"not checked: {cpu_kernel.unavailable_reason()}")
     gen = torch.Generator().manual_seed(seed)
     for layer, weight in layers.items():
         parts = _layer_tensors(fmt, layer, manifest["layers"][layer], tensors)
         stored = BitmapWeight.from_tensors("csr" if fmt == "csr" else "bitmap", parts)
         x = torch.randn(4, weight.shape[1], generator=gen).to(weight.dtype)
-        got = bitmap_linear(x, stored.bitmap, stored.values, stored.row_offsets, stored.n_cols)
         expected = torch.nn.functional.linear(x, weight)
         rtol, atol = MATMUL_TOLERANCE.get(weight.dtype, (1e-5, 1e-5))
         scale = max(1.0, float(expected.abs().max()))
-        if got.shape != expected.shape:
-            report.add("sparse-linear", layer, False, f"output shape {tuple(got.shape)}, "
-                                                      f"expected {tuple(expected.shape)}")
-            continue
-        error = float((got.float() - expected.float()).abs().max())
-        ok = bool(torch.allclose(got.float(), expected.float(), rtol=rtol, atol=atol * scale))
-        report.add("sparse-linear", layer, ok, f"max |difference| {error:.3g} ({weight.dtype})")
+        errors, wrong = {}, []
+        for name, active in paths.items():
+            with active():
+                op = bitmap_linear if name == "decode" else torch.ops.leap_sparse_cpu.bitmap_linear
+                got = op(x, stored.bitmap, stored.values, stored.row_offsets, stored.n_cols)
+            if got.shape != expected.shape:
+                wrong.append(f"{name}: output shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+                continue
+            errors[name] = float((got.float() - expected.float()).abs().max())
+            if not torch.allclose(got.float(), expected.float(), rtol=rtol, atol=atol * scale):
+                wrong.append(f"{name}: max |difference| {errors[name]:.3g}")
+        if wrong:
+            report.add("sparse-linear", layer, False, f"{'; '.join(wrong)} ({weight.dtype})")
+        else:
+            report.add("sparse-linear", layer, True,
+                       f"max |difference| {max(errors.values()):.3g} ({weight.dtype}; {', '.join(paths)})")
 
 
 def _dense_model_from_export(export_dir: Path, manifest: dict, tensors: dict, layers: dict,

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -209,6 +210,8 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   at::Tensor tile = at::empty({tile_rows, padded_cols}, vals.options());
   char* tile_data = static_cast<char*>(tile.data_ptr());
   at::Tensor y2 = y.view({m, rows});
+  std::optional<at::Tensor> bias_out;  // what F.linear would add: the bias in the output dtype
+  if (bias.has_value()) bias_out = bias->to(y.scalar_type());
   for (int64_t first = 0; first < rows; first += tile_rows) {
     const int64_t last = std::min(rows, first + tile_rows);
     at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
@@ -218,9 +221,10 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
       if (split < end) decode(p, padded, split, end, out(split), padded_cols);
     });
     const at::Tensor w = tile.narrow(0, 0, last - first).narrow(1, 0, n_cols);
-    y2.narrow(1, first, last - first).copy_(at::mm(x2, w.t()));
+    y2.narrow(1, first, last - first)
+        .copy_(bias_out.has_value() ? at::addmm(bias_out->narrow(0, first, last - first), x2, w.t())
+                                    : at::mm(x2, w.t()));
   }
-  if (bias.has_value()) y2.add_(bias->to(y.scalar_type()));
   return y;
 }
 

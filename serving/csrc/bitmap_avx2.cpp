@@ -4,6 +4,7 @@
 // permutations and lane masks (fp32 values). The products are taken in fp32.
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -46,10 +47,12 @@ constexpr ExpandTables kTables = make_tables();
 namespace leap_sparse {
 namespace {
 
+// The same structure as the AVX-512 kernels, sized for 16 ymm registers; not tuned by timing (the
+// machines here run the AVX-512 kernels; this path is what the tests force with LEAP_SPARSE_CPU_ISA).
 constexpr int kDirectMaxM = 2;         // rows of x up to which rows are multiplied directly
 constexpr int kTileRows = 2;           // weight rows per tile (16 ymm registers: 2 x 4 accumulators)
 constexpr int kMaxChunk = 4;           // rows of x per pass of the micro-kernel
-constexpr int64_t kTileBytes = 4096;   // per weight row of the (fp32) tile
+constexpr int64_t kTileBytes = 32768;  // per weight row of the (fp32) tile: whole rows up to 8192 columns
 constexpr int kPrefetchBytes = 4096;
 
 inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -128,8 +131,9 @@ inline void expand_word(uint32_t word, const typename Traits<D>::Value*& v, __m2
 
 template <typename Value>
 inline void prefetch_ahead(const Value* v, const uint8_t* bits, int64_t w) {
-  _mm_prefetch(reinterpret_cast<const char*>(v) + kPrefetchBytes, _MM_HINT_T0);
-  if constexpr (sizeof(Value) == 4) _mm_prefetch(reinterpret_cast<const char*>(v) + kPrefetchBytes + 64, _MM_HINT_T0);
+  const char* ahead = reinterpret_cast<const char*>(v) + kPrefetchBytes;
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  if constexpr (sizeof(Value) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
   if ((w & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(bits + 4 * w) + kPrefetchBytes, _MM_HINT_T0);
 }
 
@@ -152,7 +156,8 @@ void row_direct(const Problem& p, const typename Traits<D>::Value* v, int64_t ro
     expand_word<D>(mask_word(bits, w, w < full ? 4 : tail_bytes), v, e);
     for (int j = 0; j < 4; ++j)
       for (int m = 0; m < M; ++m)
-        acc[j % A][m] = _mm256_fmadd_ps(e[j], _mm256_loadu_ps(x + m * p.x_stride + 32 * w + 8 * j), acc[j % A][m]);
+        acc[j % A][m] = _mm256_fmadd_ps(e[j], _mm256_loadu_ps(x + m * p.x_stride + 32 * w + 8 * j),
+                                        acc[j % A][m]);
   }
   const float b = p.bias != nullptr ? p.bias[row] : 0.0f;
   for (int m = 0; m < M; ++m) {
@@ -163,7 +168,8 @@ void row_direct(const Problem& p, const typename Traits<D>::Value* v, int64_t ro
 }
 
 template <DType D, int M>
-void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin, int64_t row_end) {
+void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin,
+                 int64_t row_end) {
   constexpr int A = M == 1 ? 4 : (M == 2 ? 2 : 1);
   for (int64_t row = row_begin; row < row_end; ++row) row_direct<D, M, A>(p, base + p.row_offsets[row], row);
 }
@@ -172,8 +178,8 @@ void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_
 
 // acc[r][m] += tile row r . x row m over `words` words of fp32 (x already offset to the tile's first column).
 template <int MC>
-inline void tile_multiply(__m256 (&acc)[kTileRows][MC], const float* tile, int64_t tile_stride, const float* x,
-                          int64_t x_stride, int64_t words) {
+inline void tile_multiply(__m256 (&acc)[kTileRows][MC], const float* tile, int64_t tile_stride,
+                          const float* x, int64_t x_stride, int64_t words) {
   for (int64_t c = 0; c < words * 32; c += 8) {
     __m256 wv[kTileRows];
     for (int r = 0; r < kTileRows; ++r) wv[r] = _mm256_load_ps(tile + r * tile_stride + c);
@@ -187,8 +193,8 @@ inline void tile_multiply(__m256 (&acc)[kTileRows][MC], const float* tile, int64
 // One pass of MC rows of x (from m0) over a tile of columns; partial sums carry over between column
 // tiles in `partial` (kTileRows x m vectors), and the last tile writes y.
 template <DType D, int MC>
-void tile_pass(const Problem& p, const float* tile, int64_t tile_stride, int64_t words, int64_t column, int64_t m0,
-               bool first, bool last, __m256* partial, int64_t row, int rows_valid) {
+void tile_pass(const Problem& p, const float* tile, int64_t tile_stride, int64_t words, int64_t column,
+               int64_t m0, bool first, bool last, __m256* partial, int64_t row, int rows_valid) {
   const float* x = static_cast<const float*>(p.x) + m0 * p.x_stride + column;
   __m256 acc[kTileRows][MC];
   for (int r = 0; r < kTileRows; ++r)
@@ -224,13 +230,13 @@ void rows_tiled(const Problem& p, const typename Traits<D>::Value* base, int64_t
   const int64_t words = full + (tail_bytes > 0 ? 1 : 0);
   const int64_t tile_words = smaller(words, kTileBytes / (32 * 4));
   const int64_t tile_stride = tile_words * 32;
-  alignas(32) float tile[kTileRows * (kTileBytes / 4)];
+  auto* tile = static_cast<float*>(std::aligned_alloc(64, kTileRows * tile_stride * sizeof(float)));
   alignas(32) __m256 partial[kTileRows * kSparseMaxM];
   for (int64_t row = row_begin; row < row_end; row += kTileRows) {
     const int rows_valid = static_cast<int>(smaller(kTileRows, row_end - row));
     const Value* v[kTileRows];
     for (int r = 0; r < rows_valid; ++r) v[r] = base + p.row_offsets[row + r];
-    for (int r = rows_valid; r < kTileRows; ++r) std::memset(tile + r * tile_stride, 0, tile_stride * sizeof(float));
+    for (int r = rows_valid; r < kTileRows; ++r) std::memset(tile + r * tile_stride, 0, tile_stride * 4);
     for (int64_t w0 = 0; w0 < words; w0 += tile_words) {
       const int64_t w1 = smaller(words, w0 + tile_words);
       for (int r = 0; r < rows_valid; ++r) {
@@ -249,6 +255,7 @@ void rows_tiled(const Problem& p, const typename Traits<D>::Value* base, int64_t
       }
     }
   }
+  std::free(tile);
 }
 
 template <DType D>
@@ -257,7 +264,7 @@ void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_e
   const Value* base = static_cast<const Value*>(values.base) - values.first;
   if (p.cols == 0) {
     for (int64_t row = row_begin; row < row_end; ++row)
-      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias != nullptr ? p.bias[row] : 0.0f);
+      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
     return;
   }
   switch (p.m <= kDirectMaxM ? p.m : 0) {
@@ -330,8 +337,9 @@ void widen_x_avx2(DType dtype, const void* x, int64_t x_row_stride, int64_t m, i
       const uint16_t* src = static_cast<const uint16_t*>(x) + i * x_row_stride;
       for (; c + 8 <= cols; c += 8) {
         const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
-        const __m256 f = dtype == DType::F16 ? _mm256_cvtph_ps(h)
-                                             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        const __m256 f = dtype == DType::F16
+                             ? _mm256_cvtph_ps(h)
+                             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
         _mm256_storeu_ps(o + c, f);
       }
       for (; c < cols; ++c) {

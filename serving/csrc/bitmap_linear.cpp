@@ -116,7 +116,8 @@ int64_t first_unpadded_row(const int64_t* offsets, int64_t rows, int64_t n_value
 }
 
 at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
-                         const at::Tensor& row_offsets, int64_t n_cols, const std::optional<at::Tensor>& bias) {
+                         const at::Tensor& row_offsets, int64_t n_cols,
+                         const std::optional<at::Tensor>& bias) {
   const Isa isa = current_isa();
   TORCH_CHECK(isa != Isa::None, "leap_sparse_cpu: this CPU has neither AVX2 (with FMA and F16C) nor AVX-512");
   TORCH_CHECK(x.device().is_cpu() && bitmap.device().is_cpu() && values.device().is_cpu() &&
@@ -184,7 +185,8 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
 
   if (m <= kSparseMaxM) {
     p.x_is_bf16 = isa == Isa::Avx512 && dtype == DType::BF16;
-    at::Tensor packed = at::empty({m, padded_cols}, x.options().dtype(p.x_is_bf16 ? at::kBFloat16 : at::kFloat));
+    const auto packed_type = p.x_is_bf16 ? at::kBFloat16 : at::kFloat;
+    at::Tensor packed = at::empty({m, padded_cols}, x.options().dtype(packed_type));
     if (p.x_is_bf16) {
       for (int64_t i = 0; i < m; ++i) {
         char* dst = static_cast<char*>(packed.data_ptr()) + i * padded_cols * 2;

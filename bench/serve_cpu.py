@@ -1,8 +1,8 @@
 """Stock vLLM on a masked dense checkpoint against `leapctl serve` on its bitmap export, on CPU, one run.
 
     python bench/serve_cpu.py [--model smollm2-135m] [--method wanda] [--sparsity 0.5] [--work DIR]
-                              [--dtype bfloat16] [--clients 1 8] [--rounds 3] [--prompt-tokens 64]
-                              [--max-tokens 32] [--compile] [--out bench/results/serve_cpu]
+                              [--dtype bfloat16] [--clients 1 8] [--rounds 5] [--prompt-tokens 64]
+                              [--max-tokens 32] [--compile] [--profile] [--out bench/results/serve_cpu]
 
 1. Prunes MODEL (`leapctl prune --calib wiki-summaries`) into WORK/<model>-<method><pct> and exports it
    with `--format bitmap` into WORK/...-bitmap, unless they are there already (WORK defaults to
@@ -20,6 +20,11 @@
    - output_tok_s: all generated tokens / wall time of the whole client phase (prefill included);
    - the server's memory: the largest sum of RSS (and PSS) over its process group seen while it ran.
 4. Asks both servers for the same greedy completions without ignore_eos and reports how many agree.
+5. With --profile, a last 1-client request runs under vLLM's torch profiler (`--profiler-config`, started
+   and stopped through the server's /start_profile and /stop_profile), and the report splits the time
+   of a decode step (vLLM's `execute_context_*_generation_*` ranges) into the decoder's linear layers
+   (`leap_sparse_cpu::bitmap_linear`, or oneDNN's `_C::onednn_mm` for the dense model), lm_head (oneDNN
+   in both) and everything else: what bounds the end-to-end ratio however fast the sparse layers get.
 
 Writes OUT.json and OUT.md with the settings, the load average before and after, and the ratios.
 """
@@ -221,10 +226,63 @@ def greedy_answers(server: Server, model: str, texts: list[list[int]], max_token
     return answers
 
 
+PROFILE_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def profile_table(path: Path) -> dict[str, tuple[float, int]]:
+    """Op name -> (CPU total in ms, calls) from the key-averages table vLLM's profiler writes."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        cells = [c for c in line.strip().split("  ") if c.strip()]
+        if len(cells) == 7 and cells[-1].strip().isdigit():
+            total = cells[4].strip()
+            unit = next(u for u in ("us", "ms", "s") if total.endswith(u))
+            rows[cells[0].strip()] = (float(total[: -len(unit)]) * PROFILE_UNITS[unit], int(cells[-1]))
+    return rows
+
+
+def profile_decode(server: Server, name: str, prompt: list[int], max_tokens: int, folder: Path) -> dict:
+    """Per decode step (ms): the whole step, the decoder's linear layers, lm_head and the rest."""
+    for old in folder.glob("*"):
+        old.unlink()
+    post(f"{server.base}/start_profile", {}).read()
+    stream(server, name, prompt, max_tokens)
+    post(f"{server.base}/stop_profile", {}).read()
+    table = folder / "rank0.profiler_out.txt"
+    for _ in range(120):
+        if table.is_file() and table.stat().st_size:
+            break
+        time.sleep(1)
+    rows = profile_table(table)
+    step_ms, steps = next(value for key, value in rows.items()
+                          if key.startswith("execute_context") and "generation_1" in key)
+    per_step = {"step_ms": step_ms, "onednn_ms": rows.get("_C::onednn_mm", (0.0, 0))[0],
+                "sparse_ms": rows.get("leap_sparse_cpu::bitmap_linear", (0.0, 0))[0]}
+    return {"steps": steps, **{key: round(value / steps, 3) for key, value in per_step.items()}}
+
+
+def decode_split(dense: dict, sparse: dict) -> dict:
+    """ms per decode step (the prompt's prefill step spread over them): the sparse model runs only lm_head
+    through oneDNN, so that is lm_head's time in both; the dense model's other oneDNN time is its decoder."""
+    lm_head = sparse["onednn_ms"]
+    split = {"dense": {"step": dense["step_ms"], "decoder_linears": dense["onednn_ms"] - lm_head},
+             "sparse": {"step": sparse["step_ms"], "decoder_linears": sparse["sparse_ms"]}}
+    for part in split.values():
+        part["lm_head"] = lm_head
+        part["other"] = part["step"] - part["decoder_linears"] - lm_head
+    return {name: {k: round(v, 2) for k, v in part.items()} for name, part in split.items()}
+
+
 def run_server(name: str, command_for, args, texts: list[list[int]], greedy: list[list[int]]) -> dict:
     """Start the server that `command_for(port)` describes, measure it, stop it."""
     port = free_port()
     command = command_for(port)
+    if args.profile:
+        folder = args.work / f"profile-{name}"
+        folder.mkdir(exist_ok=True)
+        command += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(folder),
+                                                     "torch_profiler_with_stack": False,
+                                                     "torch_profiler_use_gzip": False})]
     log = args.work / f"{name}.log"
     print(f"starting {name}: {' '.join(command)} (log {log})", flush=True)
     server = Server(command, log, port)
@@ -236,6 +294,8 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
             phases.append(load_phase(server, name, texts, clients, args.rounds, args.max_tokens))
             print(f"  {name}: {phases[-1]}", flush=True)
         answers = greedy_answers(server, name, greedy, args.max_tokens)
+        profile = profile_decode(server, name, texts[0], args.max_tokens, args.work / f"profile-{name}") \
+            if args.profile else None
         time.sleep(1.5)  # one more memory sample after the load
         log_text = log.read_text(errors="replace")
         layer_line = next((line for line in log_text.splitlines() if "sparse linear layers hold" in line),
@@ -243,7 +303,7 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
         return {"start_s": round(start_s, 1), "phases": phases, "answers": answers,
                 "peak_rss_mib": round(server.peak_rss / 2**20),
                 "peak_pss_mib": round(server.peak_pss / 2**20),
-                "layer_memory_line": layer_line}
+                "layer_memory_line": layer_line, "profile": profile}
     finally:
         server.stop()
 
@@ -271,6 +331,14 @@ def markdown(result: dict) -> str:
               f"Greedy answers ({len(dense['answers'])} prompts, {s['max_tokens']} tokens): "
               f"{result['greedy_equal']} identical; start-up {dense['start_s']} s dense, "
               f"{sparse['start_s']} s sparse."]
+    if result.get("decode_split"):
+        lines += ["", "Time of one decode step (ms, vLLM's torch profiler, 1 client; profiling adds some "
+                  "overhead):", "", "| server | step | decoder linears | lm_head | everything else |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, label in (("dense", "stock vLLM, dense masked"), ("sparse", "leapctl serve, bitmap")):
+            part = result["decode_split"][name]
+            lines.append(f"| {label} | {part['step']:.2f} | {part['decoder_linears']:.2f} | "
+                         f"{part['lm_head']:.2f} | {part['other']:.2f} |")
     return "\n".join(lines)
 
 
@@ -284,10 +352,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=default_work)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--compile", action="store_true", help="leave torch.compile on (vLLM's default)")
+    parser.add_argument("--profile", action="store_true", help="split a decode step's time (torch profiler)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serve_cpu"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -314,6 +383,8 @@ def main() -> None:
     result = {"settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "device": device_name()},
               "load_before": load_before, "load_after": os.getloadavg()[0], "servers": servers,
+              "decode_split": decode_split(servers["dense"]["profile"], servers["sparse"]["profile"])
+              if args.profile else None,
               "greedy_equal": sum(a == b for a, b in zip(servers["dense"]["answers"],
                                                          servers["sparse"]["answers"], strict=True))}
     out = Path(args.out)

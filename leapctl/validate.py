@@ -319,7 +319,11 @@ def _check_sparse_linear(manifest: dict, tensors: dict, layers: dict, report: Re
         report.add("sparse-linear", "all layers", None, f"serving.sparse_linear is not importable: {exc}")
         return
     paths = {"decode": lambda: nullcontext()}
-    if cpu_kernel.load():
+    try:
+        native = cpu_kernel.load()
+    except ValueError as exc:  # a bad LEAP_SPARSE_CPU_ISA
+        raise LeapctlError(str(exc)) from None
+    if native:
         paths |= {isa: partial(cpu_kernel.using_isa, isa) for isa in cpu_kernel.supported_isas()}
     else:
         report.add("sparse-linear", "native CPU kernel", None,

@@ -54,7 +54,8 @@ def build_dir() -> Path:
 
 
 def load(verbose: bool = False) -> bool:
-    """Build (once per source version) and load the op; True when it is ready. Repeated calls are free."""
+    """Build (once per source version) and load the op; True when it is ready. Repeated calls are free.
+    Raises ValueError when LEAP_SPARSE_CPU_ISA names no kernel or one this CPU cannot run."""
     global _status
     if _status is None:
         _status = _build_and_load(verbose)
@@ -67,6 +68,9 @@ def unavailable_reason() -> str:
 
 
 def _build_and_load(verbose: bool) -> tuple[bool, str]:
+    wanted = os.environ.get(ISA_ENV, "auto")
+    if wanted not in ("auto", *ISAS):
+        raise ValueError(f"{ISA_ENV}={wanted!r}: use auto, {' or '.join(ISAS)}")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"the kernel needs an x86-64 CPU, this is {platform.machine()}"
     try:
@@ -89,9 +93,6 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
     isa = torch.ops.leap_sparse_cpu.isa()
     if isa == "none":
         return False, "this CPU has neither AVX-512 (with VBMI2 and BF16) nor AVX2 with FMA and F16C"
-    wanted = os.environ.get(ISA_ENV, "auto")
-    if wanted not in ("auto", *ISAS):
-        raise ValueError(f"{ISA_ENV}={wanted!r}: use auto, {' or '.join(ISAS)}")
     try:
         torch.ops.leap_sparse_cpu.set_isa(wanted)
     except RuntimeError as exc:

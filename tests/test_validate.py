@@ -156,3 +156,16 @@ def test_a_wrong_native_kernel_path_is_caught_and_named(bitmap_export, monkeypat
 def test_not_an_export(tmp_path, capsys):
     assert run_cli("validate", tmp_path) == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_a_bad_kernel_choice_is_one_error_line(bitmap_export, monkeypatch, capsys):
+    from serving import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "_status", None)  # load again, reading the environment
+    monkeypatch.setenv("LEAP_SPARSE_CPU_ISA", "fast")
+    assert run_cli("validate", bitmap_export, "--no-end-to-end") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "LEAP_SPARSE_CPU_ISA='fast': use auto, avx512 or avx2" in err
+    monkeypatch.setenv("LEAP_SPARSE_CPU_ISA", "auto")
+    monkeypatch.setattr(cpu_kernel, "_status", None)
+    assert cpu_kernel.load()

@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,serve
 
-.PHONY: demo test test-quick lint bench-quality clean-venv
+.PHONY: demo test test-quick lint cpu-kernel bench-quality clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,13 +18,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-demo: $(VENV)/.installed
+# The native CPU sparse linear kernel, built once per source version into $LEAPCTL_CACHE (a no-op when it
+# is there), so that neither a server start nor a test waits for the compiler.
+cpu-kernel: $(VENV)/.installed
+	$(PY) -m serving.cpu_kernel
+
+demo: cpu-kernel
 	$(PY) -m leapctl.demo
 
-test: $(VENV)/.installed
+test: cpu-kernel
 	$(PY) -m pytest -q
 
-test-quick: $(VENV)/.installed
+test-quick: cpu-kernel
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(VENV)/.installed

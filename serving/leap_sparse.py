@@ -8,7 +8,12 @@ The values tensor has a data-dependent length, unknown when vLLM calls `create_w
 registers empty placeholder parameters whose weight loader only stashes what it receives (per q/k/v or
 gate/up shard); `process_weights_after_loading` then cuts this rank's slice, stacks the shards and
 replaces the placeholders with the runtime tensors. Merged layers arrive through the model's
-stacked-params mapping: `q_proj.bitmap` is loaded into `qkv_proj.bitmap` with shard id "q"."""
+stacked-params mapping: `q_proj.bitmap` is loaded into `qkv_proj.bitmap` with shard id "q".
+
+Compute: on CPU the native kernel (`serving.cpu_kernel`, built ahead by `make` or once when the model
+loads) reads the stored layout directly; where it cannot be built, one warning line says so and the layers
+decode their weight on every call. On CUDA the Triton tiled-bitmap kernel; `LEAP_SPARSE_DECODE_DENSE=1`
+keeps dense weights instead."""
 
 import os
 from typing import Any
@@ -29,6 +34,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.utils import set_weight_attrs
 
+from serving import cpu_kernel
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
 
@@ -58,6 +64,7 @@ class LeapSparseConfig(QuantizationConfig):
         self._layers_loaded = 0
         self._bytes_held = 0
         self._dense_bytes = 0
+        self._compute = "decoded to dense at load" if decode_dense else "compressed"
 
     def get_name(self) -> str:
         return "leap_sparse"
@@ -87,6 +94,18 @@ class LeapSparseConfig(QuantizationConfig):
         self._layers_expected += 1
         return LeapSparseLinearMethod(self)
 
+    def native_cpu_kernel(self) -> bool:
+        """Whether CPU layers can use the native kernel; the first layer to ask builds or loads it, and
+        if that fails this logs the one warning line."""
+        if not cpu_kernel.load():
+            if self._compute == "compressed":
+                logger.warning("leap_sparse: the native CPU kernel is unavailable: %s; decoding each weight "
+                               "on every call instead (slow)", cpu_kernel.unavailable_reason())
+                self._compute = "compressed, decoded per call"
+            return False
+        self._compute = f"compressed, native CPU kernel ({cpu_kernel.current_isa()})"
+        return True
+
     def record_loaded_layer(self, bytes_held: int, dense_bytes: int) -> None:
         """Add one loaded layer; after the last one, log what all of them hold against dense weights."""
         self._layers_loaded += 1
@@ -96,7 +115,7 @@ class LeapSparseConfig(QuantizationConfig):
             logger.info("leap_sparse: %d sparse linear layers hold %d bytes, %.4fx of %d dense bytes "
                         "(format %s, %s)", self._layers_loaded, self._bytes_held,
                         self._bytes_held / max(self._dense_bytes, 1), self._dense_bytes, self.fmt,
-                        "decoded to dense at load" if self.decode_dense else "compressed")
+                        self._compute)
 
 
 class LeapSparseLinearMethod(LinearMethodBase):
@@ -146,6 +165,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_n_cols = weight.n_cols
         bytes_held = weight.nbytes()
         layer.leap_tiled = None
+        layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
         if device.type == "cuda" and tiled_kernel() is not None:
             tiled = get_format("tiled-bitmap").encode(weight.dense(), weight.mask())
             layer.leap_tiled = (list(tiled.values()), ",".join(tiled), weight.rows)
@@ -161,6 +181,9 @@ class LeapSparseLinearMethod(LinearMethodBase):
         if layer.leap_tiled is not None:
             tensors, names, n_rows = layer.leap_tiled
             return tiled_bitmap_linear(x, tensors, names, n_rows, bias)
+        if layer.leap_native and x.dtype == layer.values.dtype:
+            return torch.ops.leap_sparse_cpu.bitmap_linear(x, layer.bitmap, layer.values, layer.row_offsets,
+                                                           layer.leap_n_cols, bias)
         return bitmap_linear(x, layer.bitmap, layer.values, layer.row_offsets, layer.leap_n_cols, bias)
 
 

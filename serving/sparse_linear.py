@@ -4,8 +4,10 @@ Weights stay in the `bitmap` layout in memory (one bit per weight plus the kept 
 fp32 or 0.56x of 16-bit dense at 50% sparsity). `bitmap_linear` is a `torch.library.custom_op`, so
 vLLM's torch.compile sees one opaque call instead of tracing the bit unpacking.
 
-On CUDA, when the GPU kernel package is importable, layers convert their weight to the tiled-bitmap
-layout at load and call `tiled_bitmap_linear`; everywhere else `bitmap_linear` decodes the weight per call
+On CPU the layers call the native kernel `torch.ops.leap_sparse_cpu.bitmap_linear` (`serving.cpu_kernel`),
+which reads this layout as it is. On CUDA, when the GPU kernel package is importable, layers convert their
+weight to the tiled-bitmap layout at load and call `tiled_bitmap_linear`. `bitmap_linear` below is the
+portable path, used where neither kernel is available and as the reference: it decodes the weight per call
 (unpack the bits, scatter the values) and runs one dense matmul, so the result equals the dense masked
 matmul up to the matmul's own rounding."""
 

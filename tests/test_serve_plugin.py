@@ -162,3 +162,37 @@ def test_plugin_registration_is_idempotent():
     register()
     assert QUANTIZATION_METHODS.count(QUANT_METHOD) == 1
     assert get_quantization_config(QUANT_METHOD) is LeapSparseConfig
+
+
+def test_cpu_layers_compute_with_the_native_kernel(monkeypatch):
+    from serving import cpu_kernel
+
+    if not cpu_kernel.load():
+        pytest.skip(f"native kernel unavailable: {cpu_kernel.unavailable_reason()}")
+    config = LeapSparseConfig("bitmap", 0.5, [], decode_dense=False)
+    layer = build_layer(monkeypatch, "gate_up", config, 0, 1)
+    load(layer, "bitmap", LAYERS["gate_up"])
+    assert layer.leap_native
+    x = torch.randn(4, HIDDEN)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = layer.quant_method.apply(layer, x)
+    assert "leap_sparse_cpu::bitmap_linear" in {event.name for event in prof.events()}
+    torch.testing.assert_close(got, x @ expected_slice("gate_up", 0, 1).T)
+
+
+def test_without_the_native_kernel_layers_decode_per_call_after_one_warning(monkeypatch):
+    import serving.leap_sparse as leap_sparse
+
+    monkeypatch.setattr(leap_sparse.cpu_kernel, "load", lambda: False)
+    monkeypatch.setattr(leap_sparse.cpu_kernel, "unavailable_reason", lambda: "no compiler (test)")
+    warnings = []
+    monkeypatch.setattr(leap_sparse.logger, "warning", lambda *args: warnings.append(args[0] % args[1:]))
+    config = LeapSparseConfig("bitmap", 0.5, [], decode_dense=False)
+    layers = {kind: build_layer(monkeypatch, kind, config, 0, 1) for kind in ("gate_up", "down")}
+    for kind, layer in layers.items():
+        load(layer, "bitmap", LAYERS[kind])
+        assert not layer.leap_native
+        x = torch.randn(3, layer.leap_n_cols)
+        torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ expected_slice(kind, 0, 1).T)
+    assert warnings == ["leap_sparse: the native CPU kernel is unavailable: no compiler (test); "
+                        "decoding each weight on every call instead (slow)"]

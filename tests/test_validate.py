@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from test_export import pruned_run, random_masks, run_cli  # noqa: F401  (pruned_run is a fixture)
 
@@ -132,6 +133,26 @@ def test_a_wrong_serving_op_is_caught(bitmap_export, monkeypatch):
     problems = failed(validate(bitmap_export, end_to_end=False))
     layers = json.loads((bitmap_export / "manifest.json").read_text())["layers"]
     assert {target for kind, target, _ in problems if kind == "sparse-linear"} == set(layers)
+
+
+def test_a_wrong_native_kernel_path_is_caught_and_named(bitmap_export, monkeypatch):
+    """validate runs the native op on every instruction set the CPU runs; one wrong path fails each layer."""
+    from serving import cpu_kernel
+
+    if not cpu_kernel.load() or "avx2" not in cpu_kernel.supported_isas():
+        pytest.skip("needs the native kernel with its AVX2 path")
+    real = torch.ops.leap_sparse_cpu.bitmap_linear
+
+    def wrong_on_avx2(x, bitmap, values, row_offsets, n_cols, bias=None):
+        scale = 1.01 if cpu_kernel.current_isa() == "avx2" else 1.0
+        return real(x, bitmap, values * scale, row_offsets, n_cols, bias)
+
+    monkeypatch.setattr(torch.ops.leap_sparse_cpu, "bitmap_linear", wrong_on_avx2)
+    problems = failed(validate(bitmap_export, end_to_end=False))
+    layers = json.loads((bitmap_export / "manifest.json").read_text())["layers"]
+    assert {target for kind, target, _ in problems if kind == "sparse-linear"} == set(layers)
+    details = [detail for kind, _, detail in problems if kind == "sparse-linear"]
+    assert all(detail.startswith("avx2: max |difference|") for detail in details)
 
 
 def test_not_an_export(tmp_path, capsys):
@@ -288,3 +309,16 @@ def test_csr_export_decodes_with_scipy(pruned_run, tmp_path):  # noqa: F811
                                           tensors[f"{layer}.row_ptr"].numpy()), shape=(rows, cols))
         expected = torch.where(mask, weights[name], 0.0).numpy()
         np.testing.assert_array_equal(matrix.toarray(), expected)
+
+
+def test_a_bad_kernel_choice_is_one_error_line(bitmap_export, monkeypatch, capsys):
+    from serving import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "_status", None)  # load again, reading the environment
+    monkeypatch.setenv("LEAP_SPARSE_CPU_ISA", "fast")
+    assert run_cli("validate", bitmap_export, "--no-end-to-end") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "LEAP_SPARSE_CPU_ISA='fast': use auto, avx512 or avx2" in err
+    monkeypatch.setenv("LEAP_SPARSE_CPU_ISA", "auto")
+    monkeypatch.setattr(cpu_kernel, "_status", None)
+    assert cpu_kernel.load()

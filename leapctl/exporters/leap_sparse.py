@@ -1,10 +1,15 @@
 """`bitmap` and `csr`: the serving checkpoints `leapctl serve` loads through the `leap_sparse` vLLM plugin.
 Each pruned linear X is stored as `X.shape` plus the format's tensors (`X.bitmap`, `X.values`,
 `X.row_offsets` for bitmap); q/k/v and gate/up stay separate because vLLM routes `q_proj.bitmap` to the `q`
-shard of `qkv_proj`. Besides the shared checks, validation runs serving's own CPU op on every layer."""
+shard of `qkv_proj`. Besides the shared checks, validation runs serving's own CPU ops on every layer: the
+per-call decode op and the native kernel on every instruction set this CPU runs (AVX-512, AVX2)."""
+
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 
+from leapctl.errors import LeapctlError
 from leapctl.exporters.base import Report, ValidateOptions, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
 from serving.contract import LeapSparseSettings
@@ -25,28 +30,49 @@ class LeapSparseExporter(SparseCheckpointExporter):
 
     def check_compute(self, manifest: dict, tensors: dict, layers: dict[str, torch.Tensor], report: Report,
                       options: ValidateOptions) -> None:
-        """serving's `bitmap_linear` (CPU) on each layer against the dense masked matmul in the same dtype."""
+        """serving's CPU ops on each layer against the dense masked matmul in the same dtype: the decode op
+        and the native kernel on each instruction set this CPU runs (when it can be built here)."""
         try:
+            from serving import cpu_kernel
             from serving.sparse_linear import BitmapWeight, bitmap_linear
         except ImportError as exc:
             report.add("sparse-linear", "all layers", None, f"serving.sparse_linear is not importable: {exc}")
             return
+        paths = {"decode": lambda: nullcontext()}
+        try:
+            native = cpu_kernel.load()
+        except ValueError as exc:  # a bad LEAP_SPARSE_CPU_ISA
+            raise LeapctlError(str(exc)) from None
+        if native:
+            paths |= {isa: partial(cpu_kernel.using_isa, isa) for isa in cpu_kernel.supported_isas()}
+        else:
+            report.add("sparse-linear", "native CPU kernel", None,
+                       f"not checked: {cpu_kernel.unavailable_reason()}")
         gen = torch.Generator().manual_seed(options.seed)
         for layer, weight in layers.items():
             parts = self.layer_tensors(layer, manifest["layers"][layer], tensors)
             stored = BitmapWeight.from_tensors(self.name, parts)
             x = torch.randn(4, weight.shape[1], generator=gen).to(weight.dtype)
-            got = bitmap_linear(x, stored.bitmap, stored.values, stored.row_offsets, stored.n_cols)
             expected = torch.nn.functional.linear(x, weight)
-            if got.shape != expected.shape:
-                report.add("sparse-linear", layer, False, f"output shape {tuple(got.shape)}, "
-                                                          f"expected {tuple(expected.shape)}")
-                continue
             rtol, atol = MATMUL_TOLERANCE.get(weight.dtype, (1e-5, 1e-5))
             scale = max(1.0, float(expected.abs().max()))
-            error = float((got.float() - expected.float()).abs().max())
-            ok = bool(torch.allclose(got.float(), expected.float(), rtol=rtol, atol=atol * scale))
-            report.add("sparse-linear", layer, ok, f"max |difference| {error:.3g} ({weight.dtype})")
+            errors, wrong = {}, []
+            for name, active in paths.items():
+                with active():
+                    op = bitmap_linear if name == "decode" else torch.ops.leap_sparse_cpu.bitmap_linear
+                    got = op(x, stored.bitmap, stored.values, stored.row_offsets, stored.n_cols)
+                if got.shape != expected.shape:
+                    wrong.append(f"{name}: output shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+                    continue
+                errors[name] = float((got.float() - expected.float()).abs().max())
+                if not torch.allclose(got.float(), expected.float(), rtol=rtol, atol=atol * scale):
+                    wrong.append(f"{name}: max |difference| {errors[name]:.3g}")
+            if wrong:
+                report.add("sparse-linear", layer, False, f"{'; '.join(wrong)} ({weight.dtype})")
+            else:
+                worst = max(errors.values())
+                report.add("sparse-linear", layer, True,
+                           f"max |difference| {worst:.3g} ({weight.dtype}; {', '.join(paths)})")
 
 
 register(LeapSparseExporter(

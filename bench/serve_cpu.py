@@ -1,0 +1,398 @@
+"""Stock vLLM on a masked dense checkpoint against `leapctl serve` on its bitmap export, on CPU, one run.
+
+    python bench/serve_cpu.py [--model smollm2-135m] [--method wanda] [--sparsity 0.5] [--work DIR]
+                              [--dtype bfloat16] [--clients 1 8] [--rounds 5] [--prompt-tokens 64]
+                              [--max-tokens 32] [--compile] [--profile] [--out bench/results/serve_cpu]
+
+1. Prunes MODEL (`leapctl prune --calib wiki-summaries`) into WORK/<model>-<method><pct> and exports it
+   with `--format bitmap` into WORK/...-bitmap, unless they are there already (WORK defaults to
+   $LEAPCTL_CACHE/bench/serve_cpu).
+2. Builds the dense masked checkpoint for stock vLLM in WORK/...-dense: the run folder's config, tokenizer
+   and model.safetensors only (hard links), since vLLM loads every *.safetensors it finds and the run's
+   masks.safetensors is not a model shard.
+3. Starts each server in turn (never both: the machine has two cores) with the same vLLM flags (--dtype,
+   --max-model-len 1024, --seed 0, --enforce-eager unless --compile) and VLLM_CPU_KVCACHE_SPACE=1; the
+   sparse one is the command `leapctl serve` runs (`leapctl.serve.server_command`). For each client
+   count, that many client threads each stream --rounds completions (greedy, ignore_eos, prompts of
+   --prompt-tokens distinct tokens of held-out Wikipedia text, --max-tokens tokens); reported:
+   - decode_tok_s: clients x the mean of (tokens - 1) / (last token time - first token time) per request,
+     the rate at which the server generates once prefill is done;
+   - output_tok_s: all generated tokens / wall time of the whole client phase (prefill included);
+   - the server's memory: the largest sum of RSS (and PSS) over its process group seen while it ran.
+4. Asks both servers for the same greedy completions without ignore_eos and reports how many agree.
+5. With --profile, a last 1-client request runs under vLLM's torch profiler (`--profiler-config`, started
+   and stopped through the server's /start_profile and /stop_profile), and the report splits the time
+   of a decode step (vLLM's `execute_context_*_generation_*` ranges) into the decoder's linear layers
+   (`leap_sparse_cpu::bitmap_linear`, or oneDNN's `_C::onednn_mm` for the dense model), lm_head (oneDNN
+   in both) and everything else: what bounds the end-to-end ratio however fast the sparse layers get.
+
+Writes OUT.json and OUT.md with the settings, the load average before and after, and the ratios.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil  # noqa: E402
+from cpu_kernels import device_name  # noqa: E402
+
+from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command, server_env  # noqa: E402
+from serving import cpu_kernel  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DENSE_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+               "chat_template.jinja")
+
+
+def leapctl(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "leapctl", *args], check=True, cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def prepare(args) -> tuple[Path, Path]:
+    """(dense masked checkpoint, bitmap export), made once in WORK."""
+    name = f"{args.model.replace('/', '_')}-{args.method}{round(args.sparsity * 100)}"
+    run, export, dense = args.work / name, args.work / f"{name}-bitmap", args.work / f"{name}-dense"
+    if not (run / "report.json").is_file():
+        print(f"pruning {args.model} with {args.method} to {args.sparsity:.0%} into {run}", flush=True)
+        leapctl("prune", args.model, "--method", args.method, "--sparsity", str(args.sparsity),
+                "--calib", "wiki-summaries", "--out", str(run), "--overwrite")
+    if not (export / "manifest.json").is_file():
+        leapctl("export", str(run), "--format", "bitmap", "--out", str(export), "--overwrite")
+    if not (dense / "model.safetensors").is_file():
+        dense.mkdir(parents=True, exist_ok=True)
+        for file in DENSE_FILES:
+            if (run / file).is_file() and not (dense / file).exists():
+                os.link(run / file, dense / file)
+    return dense, export
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 600):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+class Server:
+    """A vLLM API server in its own process group, its log in a file, its memory sampled while it runs."""
+
+    def __init__(self, command: list[str], log: Path, port: int) -> None:
+        self.base, self.port = f"http://127.0.0.1:{port}", port
+        self._log = open(log, "w")
+        self.process = subprocess.Popen(command, cwd=REPO, env=server_env(1), stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.peak_rss = self.peak_pss = 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def group(self) -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if os.getpgid(process.pid) == self.process.pid:
+                    found.append(process)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return found
+
+    def _sample(self) -> None:
+        while not self._stop.wait(1.0):
+            rss = pss = 0
+            for process in self.group():
+                try:
+                    info = process.memory_full_info()
+                except psutil.Error:
+                    continue
+                rss, pss = rss + info.rss, pss + info.pss
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+
+    def wait_ready(self, timeout_s: float = 1800) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}; see {self._log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:
+                    if response.status == 200:
+                        self._sampler.start()
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"server not ready after {timeout_s} s; see {self._log.name}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._log.close()
+
+
+def prompts(tokenizer_dir: Path, count: int, length: int) -> list[list[int]]:
+    """`count` distinct prompts of `length` token ids cut from held-out Wikipedia summaries."""
+    from transformers import AutoTokenizer
+
+    from leapctl.data import load_documents
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = []
+    for document in load_documents("wiki-summaries-heldout"):
+        ids += tokenizer(document, add_special_tokens=False)["input_ids"]
+        if len(ids) >= count * length:
+            break
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
+def stream(server: Server, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: timestamps of the request, its first and its last token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, first, last, tokens = time.perf_counter(), None, None, 0
+    with post(f"{server.base}/v1/completions", body) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    return {"start": start, "first": first, "last": last, "tokens": tokens}
+
+
+def load_phase(server: Server, model: str, texts: list[list[int]], clients: int, rounds: int,
+               max_tokens: int) -> dict:
+    results, errors = [], []
+
+    def client(index: int) -> None:
+        try:
+            for r in range(rounds):
+                results.append(stream(server, model, texts[(index * rounds + r) % len(texts)], max_tokens))
+        except Exception as exc:  # reported below; a failed request must not hang the run
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    per_request = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in results if r["last"] > r["first"]]
+    return {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "wall_s": round(wall, 3), "output_tok_s": round(sum(r["tokens"] for r in results) / wall, 2),
+            "decode_tok_s": round(clients * sum(per_request) / len(per_request), 2),
+            "ttft_s": round(sum(r["first"] - r["start"] for r in results) / len(results), 3)}
+
+
+def greedy_answers(server: Server, model: str, texts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    answers = []
+    for prompt in texts:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True}
+        with post(f"{server.base}/v1/completions", body) as response:
+            answers.append(json.loads(response.read())["choices"][0]["token_ids"])
+    return answers
+
+
+PROFILE_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def profile_table(path: Path) -> dict[str, tuple[float, int]]:
+    """Op name -> (CPU total in ms, calls) from the key-averages table vLLM's profiler writes."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        cells = [c for c in line.strip().split("  ") if c.strip()]
+        if len(cells) == 7 and cells[-1].strip().isdigit():
+            total = cells[4].strip()
+            unit = next(u for u in ("us", "ms", "s") if total.endswith(u))
+            rows[cells[0].strip()] = (float(total[: -len(unit)]) * PROFILE_UNITS[unit], int(cells[-1]))
+    return rows
+
+
+def profile_decode(server: Server, name: str, prompt: list[int], max_tokens: int, folder: Path) -> dict:
+    """Per decode step (ms): the whole step, the decoder's linear layers, lm_head and the rest."""
+    for old in folder.glob("*"):
+        old.unlink()
+    post(f"{server.base}/start_profile", {}).read()
+    stream(server, name, prompt, max_tokens)
+    post(f"{server.base}/stop_profile", {}).read()
+    table = folder / "rank0.profiler_out.txt"
+    for _ in range(120):
+        if table.is_file() and table.stat().st_size:
+            break
+        time.sleep(1)
+    rows = profile_table(table)
+    step_ms, steps = next(value for key, value in rows.items()
+                          if key.startswith("execute_context") and "generation_1" in key)
+    per_step = {"step_ms": step_ms, "onednn_ms": rows.get("_C::onednn_mm", (0.0, 0))[0],
+                "sparse_ms": rows.get("leap_sparse_cpu::bitmap_linear", (0.0, 0))[0]}
+    return {"steps": steps, **{key: round(value / steps, 3) for key, value in per_step.items()}}
+
+
+def decode_split(dense: dict, sparse: dict) -> dict:
+    """ms per decode step (the prompt's prefill step spread over them): the sparse model runs only lm_head
+    through oneDNN, so that is lm_head's time in both; the dense model's other oneDNN time is its decoder."""
+    lm_head = sparse["onednn_ms"]
+    split = {"dense": {"step": dense["step_ms"], "decoder_linears": dense["onednn_ms"] - lm_head},
+             "sparse": {"step": sparse["step_ms"], "decoder_linears": sparse["sparse_ms"]}}
+    for part in split.values():
+        part["lm_head"] = lm_head
+        part["other"] = part["step"] - part["decoder_linears"] - lm_head
+    return {name: {k: round(v, 2) for k, v in part.items()} for name, part in split.items()}
+
+
+def run_server(name: str, command_for, args, texts: list[list[int]], greedy: list[list[int]]) -> dict:
+    """Start the server that `command_for(port)` describes, measure it, stop it."""
+    port = free_port()
+    command = command_for(port)
+    if args.profile:
+        folder = args.work / f"profile-{name}"
+        folder.mkdir(exist_ok=True)
+        command += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(folder),
+                                                     "torch_profiler_with_stack": False,
+                                                     "torch_profiler_use_gzip": False})]
+    log = args.work / f"{name}.log"
+    print(f"starting {name}: {' '.join(command)} (log {log})", flush=True)
+    server = Server(command, log, port)
+    try:
+        start_s = server.wait_ready()
+        stream(server, name, texts[0], 4)  # warm-up
+        phases = []
+        for clients in args.clients:
+            phases.append(load_phase(server, name, texts, clients, args.rounds, args.max_tokens))
+            print(f"  {name}: {phases[-1]}", flush=True)
+        answers = greedy_answers(server, name, greedy, args.max_tokens)
+        profile = profile_decode(server, name, texts[0], args.max_tokens, args.work / f"profile-{name}") \
+            if args.profile else None
+        time.sleep(1.5)  # one more memory sample after the load
+        log_text = log.read_text(errors="replace")
+        layer_line = next((line for line in log_text.splitlines() if "sparse linear layers hold" in line),
+                          None)
+        return {"start_s": round(start_s, 1), "phases": phases, "answers": answers,
+                "peak_rss_mib": round(server.peak_rss / 2**20),
+                "peak_pss_mib": round(server.peak_pss / 2**20),
+                "layer_memory_line": layer_line, "profile": profile}
+    finally:
+        server.stop()
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    dense, sparse = result["servers"]["dense"], result["servers"]["sparse"]
+    lines = [f"{s['model']} pruned with {s['method']} to {s['sparsity']:.0%}, {s['dtype']}, "
+             f"{'torch.compile (vLLM default)' if s['compile'] else '--enforce-eager'}, "
+             f"{s['prompt_tokens']}-token prompts, {s['max_tokens']} generated tokens (ignore_eos), "
+             f"{s['rounds']} requests per client; {s['device']}; load average (1 min) "
+             f"{result['load_before']:.2f} before, {result['load_after']:.2f} after. One run.", "",
+             "| clients | stock vLLM, dense masked: decode tok/s | leapctl serve, bitmap: decode tok/s "
+             "| ratio | dense output tok/s | sparse output tok/s | ratio |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for d, p in zip(dense["phases"], sparse["phases"], strict=True):
+        lines.append(f"| {d['clients']} | {d['decode_tok_s']:.1f} | {p['decode_tok_s']:.1f} | "
+                     f"{p['decode_tok_s'] / d['decode_tok_s']:.2f} | {d['output_tok_s']:.1f} | "
+                     f"{p['output_tok_s']:.1f} | {p['output_tok_s'] / d['output_tok_s']:.2f} |")
+    lines += ["", f"Server memory (process group, peak): dense RSS {dense['peak_rss_mib']} MiB / PSS "
+              f"{dense['peak_pss_mib']} MiB; sparse RSS {sparse['peak_rss_mib']} MiB / PSS "
+              f"{sparse['peak_pss_mib']} MiB.",
+              f"Sparse layers: `{sparse['layer_memory_line'].split('leap_sparse: ', 1)[-1]}`"
+              if sparse["layer_memory_line"] else "",
+              f"Greedy answers ({len(dense['answers'])} prompts, {s['max_tokens']} tokens): "
+              f"{result['greedy_equal']} identical; start-up {dense['start_s']} s dense, "
+              f"{sparse['start_s']} s sparse."]
+    if result.get("decode_split"):
+        lines += ["", "Time of one decode step (ms, vLLM's torch profiler, 1 client; profiling adds some "
+                  "overhead):", "", "| server | step | decoder linears | lm_head | everything else |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, label in (("dense", "stock vLLM, dense masked"), ("sparse", "leapctl serve, bitmap")):
+            part = result["decode_split"][name]
+            lines.append(f"| {label} | {part['step']:.2f} | {part['decoder_linears']:.2f} | "
+                         f"{part['lm_head']:.2f} | {part['other']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--method", default="wanda", choices=["magnitude", "wanda", "sparsegpt"])
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    cache = Path(os.environ.get("LEAPCTL_CACHE", Path.home() / ".cache" / "leapctl"))
+    default_work = cache / "bench" / "serve_cpu"
+    parser.add_argument("--work", type=Path, default=default_work)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--compile", action="store_true", help="leave torch.compile on (vLLM's default)")
+    parser.add_argument("--profile", action="store_true", help="split a decode step's time (torch profiler)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serve_cpu"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if not cpu_kernel.load():
+        sys.exit(f"the native kernel is unavailable: {cpu_kernel.unavailable_reason()}")
+    dense_dir, export_dir = prepare(args)
+    texts = prompts(dense_dir, max(args.clients) * args.rounds, args.prompt_tokens)
+    greedy = prompts(dense_dir, max(args.clients) * args.rounds + 6, args.prompt_tokens)[-6:]
+    flags = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", "0"]
+    if not args.compile:
+        flags.append("--enforce-eager")
+    load_before = os.getloadavg()[0]
+    def stock(port: int) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(dense_dir),
+                "--served-model-name", "dense", "--host", "127.0.0.1", "--port", str(port),
+                "--chat-template", PLAIN_CHAT_TEMPLATE, *flags]
+
+    def leapctl_serve(port: int) -> list[str]:
+        return server_command(export_dir, "127.0.0.1", port, None, 1,
+                              ["--served-model-name", "sparse", *flags])
+
+    servers = {"dense": run_server("dense", stock, args, texts, greedy),
+               "sparse": run_server("sparse", leapctl_serve, args, texts, greedy)}
+    result = {"settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                           "device": device_name()},
+              "load_before": load_before, "load_after": os.getloadavg()[0], "servers": servers,
+              "decode_split": decode_split(servers["dense"]["profile"], servers["sparse"]["profile"])
+              if args.profile else None,
+              "greedy_equal": sum(a == b for a, b in zip(servers["dense"]["answers"],
+                                                         servers["sparse"]["answers"], strict=True))}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

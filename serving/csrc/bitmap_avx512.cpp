@@ -1,0 +1,391 @@
+// AVX-512 kernels (F, BW, VL, VBMI2 for vpexpandw, BF16 for vdpbf16ps). Only this file's functions are
+// compiled for these instructions; the op calls them after checking the CPU's flags.
+//
+// Few rows of x (kDirectMaxM): each weight row is expanded word by word in registers and multiplied
+// with every row of x at once; rows are walked one after the other, so the values and the bitmap are
+// two sequential streams (with software prefetch ahead of them). More rows of x: blocks of kTileRows
+// weight rows are expanded into a dense tile (whole rows: L1 for short rows, L2 for long ones), and a
+// register-blocked micro-kernel multiplies the tile with up to kMaxChunk rows of x at a time, so each
+// expansion is shared by all rows of x and each load of x by kTileRows weight rows. Every constant below
+// was chosen by timing the alternatives side by side on the Zen 5 machines this project runs on.
+#include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "bitmap_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
+
+namespace leap_sparse {
+namespace {
+
+constexpr int kDirectMaxM = 4;  // rows of x up to which weight rows are multiplied directly
+constexpr int kTileRows = 4;    // weight rows per tile
+constexpr int kMaxChunk = 6;    // rows of x per pass of the micro-kernel: 24 accumulators (4 and 6 measured
+                                // alike, 8 slower)
+// Per weight row of the tile: whole rows up to 16384 bf16 columns. Splitting rows into L1-sized pieces
+// measured 10-25% slower at 8 and 16 rows of x (the partial sums go through memory between pieces).
+constexpr int64_t kTileBytes = 32768;
+constexpr int kPrefetchBytes = 4096;  // the hardware prefetcher alone left the kernel short of bandwidth
+
+inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline uint32_t mask_word(const uint8_t* row, int64_t w, int64_t bytes) {
+  uint32_t word = 0;
+  std::memcpy(&word, row + 4 * w, bytes);
+  return word;
+}
+
+// The next popcount(word) 16-bit values of a row, placed at the word's set bits (zeros elsewhere). Two
+// 16-lane expands of register operands measured faster on Zen 5 than one 32-lane expand, and much
+// faster than vpexpandw's memory form, which GCC would fold the loads into without the empty asm.
+inline __m512i expand16(uint32_t word, const uint16_t* v) {
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + _mm_popcnt_u32(word & 0xffffu)));
+  asm("" : "+v"(lo), "+v"(hi));
+  lo = _mm256_maskz_expand_epi16(static_cast<__mmask16>(word), lo);
+  hi = _mm256_maskz_expand_epi16(static_cast<__mmask16>(word >> 16), hi);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+inline __m512 expand_ps(uint32_t half_word, const float* v) {
+  __m512 packed = _mm512_loadu_ps(v);
+  asm("" : "+v"(packed));
+  return _mm512_maskz_expand_ps(static_cast<__mmask16>(half_word), packed);
+}
+
+inline uint16_t round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <DType D>
+inline void store(void* y, int64_t index, float value) {
+  if constexpr (D == DType::F32) {
+    static_cast<float*>(y)[index] = value;
+  } else if constexpr (D == DType::BF16) {
+    static_cast<uint16_t*>(y)[index] = round_to_bf16(value);
+  } else {
+    static_cast<uint16_t*>(y)[index] =
+        static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// The four sums of four accumulators, for four consecutive outputs: short rows leave few multiply-adds
+// per sum, where four separate horizontal sums took a large share of the time.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const auto half = [](__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  };
+  return _mm_hadd_ps(_mm_hadd_ps(half(a), half(b)), _mm_hadd_ps(half(c), half(d)));
+}
+
+// y[index .. index + count) = the first `count` of four sums, in the output dtype.
+template <DType D>
+inline void store4(void* y, int64_t index, __m128 sums, int count) {
+  const __mmask8 keep = static_cast<__mmask8>((1u << count) - 1);
+  if constexpr (D == DType::F32) {
+    _mm_mask_storeu_ps(static_cast<float*>(y) + index, keep, sums);
+  } else if constexpr (D == DType::BF16) {
+    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep, (__m128i)_mm_cvtneps_pbh(sums));
+  } else {
+    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep,
+                          _mm_cvtps_ph(sums, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+template <DType D>
+struct Traits {
+  using Value = uint16_t;
+};
+template <>
+struct Traits<DType::F32> {
+  using Value = float;
+};
+
+// One 32-column word of a weight row, expanded: bf16 stays packed in pairs for vdpbf16ps, fp16 and
+// fp32 become two fp32 vectors of 16 columns.
+template <DType D>
+struct Expanded {
+  __m512 lo, hi;
+  __m512i pairs;
+};
+
+template <DType D>
+inline Expanded<D> expand_word(uint32_t word, const typename Traits<D>::Value*& v) {
+  Expanded<D> e;
+  if constexpr (D == DType::BF16) {
+    e.pairs = expand16(word, v);
+    v += _mm_popcnt_u32(word);
+  } else if constexpr (D == DType::F16) {
+    const __m512i halves = expand16(word, v);
+    v += _mm_popcnt_u32(word);
+    e.lo = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+    e.hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+  } else {
+    const uint32_t low = word & 0xffffu, high = word >> 16;
+    e.lo = expand_ps(low, v);
+    v += _mm_popcnt_u32(low);
+    e.hi = expand_ps(high, v);
+    v += _mm_popcnt_u32(high);
+  }
+  return e;
+}
+
+// acc += the expanded word times 32 columns of one row of x (bf16 pairs, or fp32).
+template <DType D>
+inline __m512 multiply_add(__m512 acc, const Expanded<D>& e, const void* x) {
+  if constexpr (D == DType::BF16) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)e.pairs, (__m512bh)_mm512_loadu_si512(x));
+  } else {
+    const float* xf = static_cast<const float*>(x);
+    return _mm512_fmadd_ps(e.hi, _mm512_loadu_ps(xf + 16), _mm512_fmadd_ps(e.lo, _mm512_loadu_ps(xf), acc));
+  }
+}
+
+// ---------------------------------------------------------------- few rows of x
+
+// One or two lines of values ahead (fp32 values take twice the bytes) and the bitmap's line once every
+// 16 words; called once per step of the word loop (one or two words).
+template <typename Value>
+inline void prefetch_ahead(const Value* v, const uint8_t* bits, int64_t w) {
+  const char* ahead = reinterpret_cast<const char*>(v) + kPrefetchBytes;
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  if constexpr (sizeof(Value) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  if ((w & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(bits + 4 * w) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// Output row `row` for all M rows of x. A accumulators per row of x take turns word by word, so that
+// the multiply-adds of consecutive words do not wait for each other.
+template <DType D, int M, int A>
+void row_direct(const Problem& p, const typename Traits<D>::Value* v, int64_t row) {
+  const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
+  const char* x = static_cast<const char*>(p.x);
+  const int64_t x_row = p.x_stride * x_elem;
+  const uint8_t* bits = p.bitmap + row * p.bitmap_stride;
+  __m512 acc[A][M];
+  for (int a = 0; a < A; ++a)
+    for (int m = 0; m < M; ++m) acc[a][m] = _mm512_setzero_ps();
+  const int64_t full = p.cols / 32, tail_bytes = p.bitmap_stride - 4 * full;
+  int64_t w = 0;
+  for (; w + A <= full; w += A) {
+    prefetch_ahead(v, bits, w);
+    for (int a = 0; a < A; ++a) {
+      const Expanded<D> e = expand_word<D>(mask_word(bits, w + a, 4), v);
+      const char* xw = x + (w + a) * 32 * x_elem;
+      for (int m = 0; m < M; ++m) acc[a][m] = multiply_add<D>(acc[a][m], e, xw + m * x_row);
+    }
+  }
+  for (; w < full + (tail_bytes > 0 ? 1 : 0); ++w) {
+    const Expanded<D> e = expand_word<D>(mask_word(bits, w, w < full ? 4 : tail_bytes), v);
+    for (int m = 0; m < M; ++m) acc[0][m] = multiply_add<D>(acc[0][m], e, x + m * x_row + w * 32 * x_elem);
+  }
+  const float b = p.bias != nullptr ? p.bias[row] : 0.0f;
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = acc[0][m];
+    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[a][m]);
+    store<D>(p.y, m * p.y_stride + row, _mm512_reduce_add_ps(sum) + b);
+  }
+}
+
+template <DType D, int M>
+void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin,
+                 int64_t row_end) {
+  constexpr int A = M == 1 ? 2 : (M == 2 ? 2 : 1);
+  for (int64_t row = row_begin; row < row_end; ++row) row_direct<D, M, A>(p, base + p.row_offsets[row], row);
+}
+
+// ---------------------------------------------------------------- many rows of x
+
+// The tile holds weight rows as bf16 pairs (bf16) or fp32 (fp16, fp32), `cols` columns each, in words of
+// 32 columns; a zero-filled row stands in for rows past the end.
+template <DType D>
+using TileValue = std::conditional_t<D == DType::BF16, uint16_t, float>;
+
+template <DType D>
+inline void expand_into_tile(const uint8_t* bits, const typename Traits<D>::Value*& v, int64_t w_begin,
+                             int64_t w_end, int64_t full, int64_t tail_bytes, TileValue<D>* out) {
+  for (int64_t w = w_begin; w < w_end; ++w) {
+    prefetch_ahead(v, bits, w);
+    const Expanded<D> e = expand_word<D>(mask_word(bits, w, w < full ? 4 : tail_bytes), v);
+    TileValue<D>* o = out + (w - w_begin) * 32;
+    if constexpr (D == DType::BF16) {
+      _mm512_store_si512(o, e.pairs);
+    } else {
+      _mm512_store_ps(o, e.lo);
+      _mm512_store_ps(o + 16, e.hi);
+    }
+  }
+}
+
+// acc[r][m] += tile row r . x row m over `words` words (x already offset to the tile's first column).
+template <DType D, int MC>
+inline void tile_multiply(__m512 (&acc)[kTileRows][MC], const TileValue<D>* tile, int64_t tile_stride,
+                          const char* x, int64_t x_row, int64_t words) {
+  for (int64_t w = 0; w < words; ++w) {
+    if constexpr (D == DType::BF16) {
+      __m512i wv[kTileRows];
+      for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_load_si512(tile + r * tile_stride + w * 32);
+      for (int m = 0; m < MC; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_row + w * 64);
+        for (int r = 0; r < kTileRows; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv[r], xv);
+      }
+    } else {
+      for (int half = 0; half < 2; ++half) {
+        __m512 wv[kTileRows];
+        const int64_t column = w * 32 + half * 16;
+        for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_load_ps(tile + r * tile_stride + column);
+        for (int m = 0; m < MC; ++m) {
+          const __m512 xv = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row) + column);
+          for (int r = 0; r < kTileRows; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
+      }
+    }
+  }
+}
+
+// One pass of MC rows of x (from m0) over a tile of columns; partial sums carry over between column
+// tiles in `partial` (kTileRows x M vectors), and the last tile writes y.
+template <DType D, int MC>
+void tile_pass(const Problem& p, const TileValue<D>* tile, int64_t tile_stride, int64_t words, int64_t column,
+               int64_t m0, bool first, bool last, __m512* partial, int64_t row, int rows_valid) {
+  const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
+  const char* x = static_cast<const char*>(p.x) + (m0 * p.x_stride + column) * x_elem;
+  __m512 acc[kTileRows][MC];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = first ? _mm512_setzero_ps() : partial[r * p.m + m0 + m];
+  tile_multiply<D, MC>(acc, tile, tile_stride, x, p.x_stride * x_elem, words);
+  if (!last) {
+    for (int r = 0; r < kTileRows; ++r)
+      for (int m = 0; m < MC; ++m) partial[r * p.m + m0 + m] = acc[r][m];
+    return;
+  }
+  const __m128 bias = p.bias == nullptr     ? _mm_setzero_ps()
+                      : rows_valid == kTileRows ? _mm_loadu_ps(p.bias + row)
+                                                : _mm_maskz_loadu_ps((1u << rows_valid) - 1, p.bias + row);
+  for (int m = 0; m < MC; ++m) {
+    const __m128 sums = _mm_add_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), bias);
+    store4<D>(p.y, (m0 + m) * p.y_stride + row, sums, rows_valid);
+  }
+}
+
+template <DType D>
+using PassFn = void (*)(const Problem&, const TileValue<D>*, int64_t, int64_t, int64_t, int64_t, bool, bool,
+                        __m512*, int64_t, int);
+
+template <DType D, typename Ms>
+struct Passes;
+template <DType D, int... Ms>
+struct Passes<D, std::integer_sequence<int, Ms...>> {
+  static constexpr PassFn<D> table[] = {&tile_pass<D, Ms + 1>...};
+};
+
+template <DType D>
+void rows_tiled(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin, int64_t row_end) {
+  using Value = typename Traits<D>::Value;
+  const int64_t full = p.cols / 32, tail_bytes = p.bitmap_stride - 4 * full;
+  const int64_t words = full + (tail_bytes > 0 ? 1 : 0);
+  const int64_t tile_words = smaller(words, kTileBytes / (32 * sizeof(TileValue<D>)));
+  const int64_t tile_stride = tile_words * 32;
+  const int64_t row_bytes = tile_stride * sizeof(TileValue<D>);
+  auto* tile = static_cast<TileValue<D>*>(std::aligned_alloc(64, kTileRows * row_bytes));
+  alignas(64) __m512 partial[kTileRows * kSparseMaxM];
+  for (int64_t row = row_begin; row < row_end; row += kTileRows) {
+    const int rows_valid = static_cast<int>(smaller(kTileRows, row_end - row));
+    const Value* v[kTileRows];
+    for (int r = 0; r < rows_valid; ++r) v[r] = base + p.row_offsets[row + r];
+    for (int r = rows_valid; r < kTileRows; ++r) std::memset(tile + r * tile_stride, 0, row_bytes);
+    for (int64_t w0 = 0; w0 < words; w0 += tile_words) {
+      const int64_t w1 = smaller(words, w0 + tile_words);
+      for (int r = 0; r < rows_valid; ++r) {
+        expand_into_tile<D>(p.bitmap + (row + r) * p.bitmap_stride, v[r], w0, w1, full, tail_bytes,
+                            tile + r * tile_stride);
+      }
+      for (int64_t m0 = 0; m0 < p.m; m0 += kMaxChunk) {
+        const int chunk = static_cast<int>(smaller(kMaxChunk, p.m - m0));
+        Passes<D, std::make_integer_sequence<int, kMaxChunk>>::table[chunk - 1](
+            p, tile, tile_stride, w1 - w0, w0 * 32, m0, w0 == 0, w1 == words, partial, row, rows_valid);
+      }
+    }
+  }
+  std::free(tile);
+}
+
+template <DType D>
+void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
+  using Value = typename Traits<D>::Value;
+  const Value* base = static_cast<const Value*>(values.base) - values.first;
+  if (p.cols == 0) {
+    for (int64_t row = row_begin; row < row_end; ++row)
+      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
+    return;
+  }
+  switch (p.m <= kDirectMaxM ? p.m : 0) {
+    case 1: return rows_direct<D, 1>(p, base, row_begin, row_end);
+    case 2: return rows_direct<D, 2>(p, base, row_begin, row_end);
+    case 3: if constexpr (kDirectMaxM >= 3) return rows_direct<D, 3>(p, base, row_begin, row_end);
+    [[fallthrough]];
+    case 4: if constexpr (kDirectMaxM >= 4) return rows_direct<D, 4>(p, base, row_begin, row_end);
+    [[fallthrough]];
+    default: return rows_tiled<D>(p, base, row_begin, row_end);
+  }
+}
+
+template <DType D>
+void decode_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end, void* out,
+                 int64_t out_stride) {
+  using Value = typename Traits<D>::Value;
+  const Value* base = static_cast<const Value*>(values.base) - values.first;
+  const int64_t full = p.cols / 32, tail_bytes = p.bitmap_stride - 4 * full;
+  const int64_t words = full + (tail_bytes > 0 ? 1 : 0);
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const Value* v = base + p.row_offsets[row];
+    const uint8_t* bits = p.bitmap + row * p.bitmap_stride;
+    Value* o = static_cast<Value*>(out) + (row - row_begin) * out_stride;
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t word = mask_word(bits, w, w < full ? 4 : tail_bytes);
+      if constexpr (D == DType::F32) {
+        const uint32_t low = word & 0xffffu, high = word >> 16;
+        _mm512_storeu_ps(o + 32 * w, expand_ps(low, v));
+        v += _mm_popcnt_u32(low);
+        _mm512_storeu_ps(o + 32 * w + 16, expand_ps(high, v));
+        v += _mm_popcnt_u32(high);
+      } else {
+        _mm512_storeu_si512(o + 32 * w, expand16(word, v));
+        v += _mm_popcnt_u32(word);
+      }
+    }
+    for (int64_t c = 32 * words; c < out_stride; ++c) o[c] = 0;
+  }
+}
+
+}  // namespace
+
+void gemm_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end) {
+  switch (p.dtype) {
+    case DType::BF16: return gemm_rows<DType::BF16>(p, v, row_begin, row_end);
+    case DType::F16: return gemm_rows<DType::F16>(p, v, row_begin, row_end);
+    case DType::F32: return gemm_rows<DType::F32>(p, v, row_begin, row_end);
+  }
+}
+
+void decode_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
+                        int64_t out_stride) {
+  switch (p.dtype) {
+    case DType::BF16:
+    case DType::F16: return decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);
+    case DType::F32: return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
+  }
+}
+
+}  // namespace leap_sparse
+
+#pragma GCC pop_options

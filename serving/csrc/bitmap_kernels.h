@@ -1,0 +1,67 @@
+// Sparse x W^T on the `bitmap` serving layout: the CPU kernels that the ISA translation units define.
+//
+// The layout is the one on disk (sparse_formats/bitmap.py): a row-major bitmap of ceil(cols/8) bytes
+// per row, little-endian bits, so four bytes read as a little-endian uint32 are the mask of 32
+// consecutive columns (bit i = column 32w + i); the kept values row-major; int64 row offsets. The
+// kernels read it as it is, so tensor-parallel slicing and `leapctl validate` see the same tensors.
+//
+// This header is plain C++ (no torch, no intrinsics): each ISA file compiles its kernels with its own
+// target options, and the op (bitmap_linear.cpp) picks one at run time from the CPU's flags.
+#pragma once
+
+#include <cstdint>
+
+namespace leap_sparse {
+
+enum class DType : int { BF16 = 0, F16 = 1, F32 = 2 };
+
+// A vector load of values may read up to this many elements past a row's last value. The op gives
+// the kernels a zero-padded copy of the values of the last rows, whose loads would leave `values`.
+constexpr int64_t kValuePad = 64;
+
+// The kernels take at most this many rows of x; the op decodes tiles for a dense GEMM above it.
+constexpr int64_t kSparseMaxM = 16;
+
+struct Problem {
+  DType dtype;                 // of values, x and y
+  const uint8_t* bitmap;       // [rows, bitmap_stride]
+  int64_t bitmap_stride;       // ceil(cols / 8)
+  const int64_t* row_offsets;  // [rows], index of each row's first value
+  int64_t rows;
+  int64_t cols;
+  // x as the op packs it: m rows of x_stride elements (a multiple of 32, zeros past cols), bf16 when
+  // x_is_bf16 (the AVX-512 kernel multiplies bf16 pairs) and fp32 otherwise.
+  const void* x;
+  int64_t x_stride;
+  bool x_is_bf16;
+  int64_t m;
+  const float* bias;  // [rows] in fp32, or nullptr
+  void* y;            // [m, y_stride] of dtype
+  int64_t y_stride;
+};
+
+// Where a range of rows finds its values: row r's first value is element row_offsets[r] - first of
+// base, and at least kValuePad readable elements follow the range's last value.
+struct Values {
+  const void* base;
+  int64_t first;
+};
+
+// y[:, row_begin:row_end] for all m rows of x. Each block of rows reads its bitmap words and values
+// once and multiplies the expanded values with up to 8 (AVX-512) or 4 (AVX2) rows of x at a time.
+void gemm_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end);
+void gemm_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end);
+
+// Rows row_begin..row_end of W, dense, into out[(r - row_begin) * out_stride + c] in p.dtype;
+// out_stride is a multiple of 32 and columns from cols to out_stride are written as zeros.
+void decode_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
+                        int64_t out_stride);
+void decode_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
+                      int64_t out_stride);
+
+// x [m, cols] (rows x_row_stride elements apart, in dtype) as fp32 rows of out_stride, zeros past cols
+// (needs AVX2 and F16C, which every CPU with either kernel has).
+void widen_x_avx2(DType dtype, const void* x, int64_t x_row_stride, int64_t m, int64_t cols, float* out,
+                  int64_t out_stride);
+
+}  // namespace leap_sparse

@@ -1,0 +1,243 @@
+// The torch ops of the native CPU sparse linear layer:
+//   leap_sparse_cpu::bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias=None) -> y = x W^T + b
+//   leap_sparse_cpu::isa() -> the kernel in use ("avx512", "avx2" or "none")
+//   leap_sparse_cpu::set_isa(name) -> choose "auto" (the best this CPU runs), "avx512" or "avx2"
+// Up to kSparseMaxM rows of x (decode) run the sparse kernels, which read each weight's bitmap and
+// values once per call; more rows (prefill) decode tiles of W and multiply them with ATen's dense GEMM.
+// Work is split over output rows with ATen's thread pool and thread count.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bitmap_kernels.h"
+
+namespace leap_sparse {
+namespace {
+
+enum class Isa : int { None = 0, Avx2 = 1, Avx512 = 2 };
+
+constexpr int64_t kTaskWeights = 1 << 15;   // fewest weights (dense count) worth a thread of their own
+constexpr int64_t kTileBytes = 2 << 20;     // dense tile of W decoded per GEMM above kSparseMaxM
+
+Isa best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512bf16")) {
+    return Isa::Avx512;
+  }
+  if (avx2) return Isa::Avx2;
+#endif
+  return Isa::None;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    case Isa::None: break;
+  }
+  return "none";
+}
+
+std::atomic<int> g_isa{-1};
+
+Isa current_isa() {
+  int isa = g_isa.load();
+  if (isa < 0) {
+    isa = static_cast<int>(best_isa());
+    g_isa.store(isa);
+  }
+  return static_cast<Isa>(isa);
+}
+
+std::string isa_op() { return isa_name(current_isa()); }
+
+std::string set_isa_op(std::string name) {
+  const Isa best = best_isa();
+  Isa wanted = best;
+  if (name == "avx512") {
+    wanted = Isa::Avx512;
+  } else if (name == "avx2") {
+    wanted = Isa::Avx2;
+  } else {
+    TORCH_CHECK(name == "auto", "leap_sparse_cpu: unknown kernel '", name, "' (use auto, avx512 or avx2)");
+  }
+  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best), "leap_sparse_cpu: this CPU cannot run the ",
+              name, " kernel (it runs: ", isa_name(best), ")");
+  g_isa.store(static_cast<int>(wanted));
+  return isa_name(wanted);
+}
+
+DType value_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::F16;
+    case at::kFloat: return DType::F32;
+    default: break;
+  }
+  TORCH_CHECK(false, "leap_sparse_cpu::bitmap_linear supports bfloat16, float16 and float32, not ", type);
+}
+
+int64_t popcount_row(const uint8_t* row, int64_t bytes) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < bytes; ++i) count += __builtin_popcount(row[i]);
+  return count;
+}
+
+// The first row from which every row ends less than kValuePad elements before the end of `values`:
+// the kernels' vector loads past those rows' last values would leave the tensor.
+int64_t first_unpadded_row(const int64_t* offsets, int64_t rows, int64_t n_values) {
+  int64_t lo = 0, hi = rows;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    const int64_t end = mid + 1 < rows ? offsets[mid + 1] : n_values;
+    if (end + kValuePad > n_values) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
+                         const at::Tensor& row_offsets, int64_t n_cols,
+                         const std::optional<at::Tensor>& bias) {
+  const Isa isa = current_isa();
+  TORCH_CHECK(isa != Isa::None, "leap_sparse_cpu: this CPU has neither AVX2 (with FMA and F16C) nor AVX-512");
+  TORCH_CHECK(x.device().is_cpu() && bitmap.device().is_cpu() && values.device().is_cpu() &&
+                  row_offsets.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
+              "leap_sparse_cpu::bitmap_linear takes CPU tensors");
+  const DType dtype = value_dtype(x.scalar_type());
+  TORCH_CHECK(values.scalar_type() == x.scalar_type(), "leap_sparse_cpu::bitmap_linear: values are ",
+              values.scalar_type(), " but x is ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n_cols, "leap_sparse_cpu::bitmap_linear: x has ",
+              x.dim() >= 1 ? x.size(-1) : 0, " features, the weight has ", n_cols, " columns");
+  TORCH_CHECK(bitmap.scalar_type() == at::kByte && bitmap.dim() == 2 && bitmap.size(1) == (n_cols + 7) / 8,
+              "leap_sparse_cpu::bitmap_linear: bitmap must be uint8 [rows, ", (n_cols + 7) / 8, "], got ",
+              bitmap.scalar_type(), " ", bitmap.sizes());
+  const int64_t rows = bitmap.size(0);
+  TORCH_CHECK(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.size(0) == rows,
+              "leap_sparse_cpu::bitmap_linear: row_offsets must be int64 [", rows, "]");
+  TORCH_CHECK(values.dim() == 1, "leap_sparse_cpu::bitmap_linear: values must be 1-D");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == rows),
+              "leap_sparse_cpu::bitmap_linear: bias must have ", rows, " entries");
+
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = rows;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
+  if (m == 0 || rows == 0) return y;
+
+  const at::Tensor bits = bitmap.contiguous(), vals = values.contiguous(), offsets = row_offsets.contiguous();
+  const int64_t stride = bits.size(1), n_values = vals.numel();
+  const int64_t* offset = offsets.data_ptr<int64_t>();
+  const uint8_t* last_row = bits.data_ptr<uint8_t>() + (rows - 1) * stride;
+  TORCH_CHECK(offset[0] == 0 && offset[rows - 1] + popcount_row(last_row, stride) == n_values,
+              "leap_sparse_cpu::bitmap_linear: row_offsets and bitmap do not account for the ", n_values,
+              " values (check the layout with sparse_formats.get_format('bitmap').check)");
+
+  at::Tensor x2 = x.reshape({m, n_cols});
+  if (n_cols > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
+  const int64_t padded_cols = std::max<int64_t>(32, (n_cols + 31) / 32 * 32);
+  const int64_t elem = dtype == DType::F32 ? 4 : 2;
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
+
+  Problem p{};
+  p.dtype = dtype;
+  p.bitmap = bits.data_ptr<uint8_t>();
+  p.bitmap_stride = stride;
+  p.row_offsets = offset;
+  p.rows = rows;
+  p.cols = n_cols;
+  p.m = m;
+  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_stride = rows;
+
+  // Values of the last rows, with kValuePad zeros after them.
+  const int64_t unpadded = first_unpadded_row(offset, rows, n_values);
+  const int64_t tail_first = unpadded < rows ? offset[unpadded] : n_values;
+  at::Tensor tail = at::empty({n_values - tail_first + kValuePad}, vals.options());
+  std::memset(tail.data_ptr(), 0, tail.numel() * elem);
+  if (n_values > tail_first) {
+    std::memcpy(tail.data_ptr(), static_cast<const char*>(vals.data_ptr()) + tail_first * elem,
+                (n_values - tail_first) * elem);
+  }
+  const Values whole{vals.data_ptr(), 0}, padded{tail.data_ptr(), tail_first};
+  const int64_t grain = std::max<int64_t>(1, kTaskWeights / std::max<int64_t>(n_cols, 1));
+
+  if (m <= kSparseMaxM) {
+    p.x_is_bf16 = isa == Isa::Avx512 && dtype == DType::BF16;
+    const auto packed_type = p.x_is_bf16 ? at::kBFloat16 : at::kFloat;
+    at::Tensor packed = at::empty({m, padded_cols}, x.options().dtype(packed_type));
+    if (p.x_is_bf16) {
+      for (int64_t i = 0; i < m; ++i) {
+        char* dst = static_cast<char*>(packed.data_ptr()) + i * padded_cols * 2;
+        std::memcpy(dst, static_cast<const char*>(x2.data_ptr()) + i * x2.stride(0) * 2, n_cols * 2);
+        std::memset(dst + n_cols * 2, 0, (padded_cols - n_cols) * 2);
+      }
+    } else {
+      widen_x_avx2(dtype, x2.data_ptr(), x2.stride(0), m, n_cols, packed.data_ptr<float>(), padded_cols);
+    }
+    p.x = packed.data_ptr();
+    p.x_stride = padded_cols;
+    const auto gemm = isa == Isa::Avx512 ? gemm_rows_avx512 : gemm_rows_avx2;
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      const int64_t split = std::clamp(unpadded, begin, end);
+      if (begin < split) gemm(p, whole, begin, split);
+      if (split < end) gemm(p, padded, split, end);
+    });
+    return y;
+  }
+
+  const auto decode = isa == Isa::Avx512 ? decode_rows_avx512 : decode_rows_avx2;
+  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (padded_cols * elem), 16, rows);
+  at::Tensor tile = at::empty({tile_rows, padded_cols}, vals.options());
+  char* tile_data = static_cast<char*>(tile.data_ptr());
+  at::Tensor y2 = y.view({m, rows});
+  std::optional<at::Tensor> bias_out;  // what F.linear would add: the bias in the output dtype
+  if (bias.has_value()) bias_out = bias->to(y.scalar_type());
+  for (int64_t first = 0; first < rows; first += tile_rows) {
+    const int64_t last = std::min(rows, first + tile_rows);
+    at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
+      const int64_t split = std::clamp(unpadded, begin, end);
+      const auto out = [&](int64_t row) { return tile_data + (row - first) * padded_cols * elem; };
+      if (begin < split) decode(p, whole, begin, split, out(begin), padded_cols);
+      if (split < end) decode(p, padded, split, end, out(split), padded_cols);
+    });
+    const at::Tensor w = tile.narrow(0, 0, last - first).narrow(1, 0, n_cols);
+    y2.narrow(1, first, last - first)
+        .copy_(bias_out.has_value() ? at::addmm(bias_out->narrow(0, first, last - first), x2, w.t())
+                                    : at::mm(x2, w.t()));
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace leap_sparse
+
+TORCH_LIBRARY(leap_sparse_cpu, m) {
+  m.def("bitmap_linear(Tensor x, Tensor bitmap, Tensor values, Tensor row_offsets, int n_cols, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("isa() -> str", &leap_sparse::isa_op);
+  m.def("set_isa(str name) -> str", &leap_sparse::set_isa_op);
+}
+
+TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) { m.impl("bitmap_linear", &leap_sparse::bitmap_linear); }

@@ -1,8 +1,8 @@
 """The `leap_sparse` quantization method: vLLM linear layers that hold unstructured-sparse weights.
 
-A serving checkpoint says `quantization_config = {"quant_method": "leap_sparse", "format": "bitmap"|"csr",
-"sparsity": ..., "ignore": [...]}` and stores, per pruned projection X, the tensors `X.shape`, `X.bitmap`,
-`X.values`, `X.row_offsets` (bitmap) or `X.shape`, `X.values`, `X.col_indices`, `X.row_ptr` (csr).
+What a checkpoint says and stores is the contract in `serving.contract` (the config keys, the servable
+formats and the tensors each pruned projection X stores, e.g. `X.shape`, `X.bitmap`, `X.values`,
+`X.row_offsets` for bitmap); this module only implements it for vLLM.
 
 The values tensor has a data-dependent length, unknown when vLLM calls `create_weights`, so each layer
 registers empty placeholder parameters whose weight loader only stashes what it receives (per q/k/v or
@@ -15,7 +15,6 @@ loads) reads the stored layout directly; where it cannot be built, one warning l
 decode their weight on every call. On CUDA the Triton tiled-bitmap kernel; `LEAP_SPARSE_DECODE_DENSE=1`
 keeps dense weights instead."""
 
-import os
 from typing import Any
 
 import torch
@@ -35,14 +34,12 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
+from serving.contract import QUANT_METHOD, SERVABLE_FORMATS, LeapSparseSettings
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under "vllm" so that vLLM's log handlers show it
 
-DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
-STORED_TENSORS = {"bitmap": ("shape", "bitmap", "values", "row_offsets"),
-                  "csr": ("shape", "values", "col_indices", "row_ptr")}
 _INDEX_DTYPES = {"shape": torch.int64, "bitmap": torch.uint8, "row_offsets": torch.int64,
                  "col_indices": torch.int32, "row_ptr": torch.int64}
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -51,23 +48,19 @@ _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 class LeapSparseConfig(QuantizationConfig):
     """The checkpoint's `quantization_config`; also totals the bytes the loaded sparse layers hold."""
 
-    def __init__(self, fmt: str, sparsity: float, ignore: list[str], decode_dense: bool) -> None:
+    def __init__(self, settings: LeapSparseSettings) -> None:
         super().__init__()
-        if fmt not in STORED_TENSORS:
-            raise ValueError(f"leap_sparse: format {fmt!r} is not servable "
-                             f"(use {' or '.join(STORED_TENSORS)})")
-        self.fmt = fmt
-        self.sparsity = sparsity
-        self.ignore = ignore
-        self.decode_dense = decode_dense
+        self.fmt = settings.fmt
+        self.ignore = list(settings.ignore)
+        self.decode_dense = settings.decode_dense
         self._layers_expected = 0
         self._layers_loaded = 0
         self._bytes_held = 0
         self._dense_bytes = 0
-        self._compute = "decoded to dense at load" if decode_dense else "compressed"
+        self._compute = "decoded to dense at load" if self.decode_dense else "compressed"
 
     def get_name(self) -> str:
-        return "leap_sparse"
+        return QUANT_METHOD
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.float16, torch.bfloat16]
@@ -82,9 +75,7 @@ class LeapSparseConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LeapSparseConfig":
-        decode_dense = bool(config.get("decode_dense", False)) or os.environ.get(DECODE_DENSE_ENV, "0") == "1"
-        return cls(fmt=config["format"], sparsity=float(config.get("sparsity", 0.0)),
-                   ignore=list(config.get("ignore", [])), decode_dense=decode_dense)
+        return cls(LeapSparseSettings.from_config(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
@@ -131,7 +122,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_output_partition_sizes = list(output_partition_sizes)
         layer.leap_input_size = input_size
         layer.leap_params_dtype = params_dtype
-        for name in STORED_TENSORS[self.config.fmt]:
+        for name in SERVABLE_FORMATS[self.config.fmt]:
             dtype = _INDEX_DTYPES.get(name, params_dtype)
             placeholder = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
             set_weight_attrs(placeholder, {"weight_loader": _stash_loader(layer, name)})
@@ -139,7 +130,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         device = layer.values.device
-        names = STORED_TENSORS[self.config.fmt]
+        names = SERVABLE_FORMATS[self.config.fmt]
         shards = []
         for index, size in enumerate(layer.leap_output_partition_sizes):
             parts = layer.leap_parts.get(index, {})

@@ -4,7 +4,7 @@ quantization method that serving checkpoints name in their `quantization_config`
 vLLM calls `register` in the API server, the engine core and every worker process, so it must be
 idempotent and cheap."""
 
-QUANT_METHOD = "leap_sparse"
+from serving.contract import QUANT_METHOD
 
 
 def register() -> None:

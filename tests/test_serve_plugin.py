@@ -9,7 +9,8 @@ import torch
 vllm_linear = pytest.importorskip("vllm.model_executor.layers.linear")
 vllm_parameter = pytest.importorskip("vllm.model_executor.parameter")
 
-from serving.leap_sparse import DECODE_DENSE_ENV, LeapSparseConfig  # noqa: E402
+from serving.contract import DECODE_DENSE_ENV, LeapSparseSettings  # noqa: E402
+from serving.leap_sparse import LeapSparseConfig  # noqa: E402
 from serving.plugin import QUANT_METHOD, register  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
 
@@ -110,7 +111,7 @@ RANKS = [(kind, rank, size) for kind in LAYERS for rank, size in [(0, 1), (0, 2)
 @pytest.mark.parametrize("fmt", ["bitmap", "csr"])
 @pytest.mark.parametrize("kind,rank,size", RANKS)
 def test_each_rank_computes_its_slice_of_the_dense_masked_weight(monkeypatch, fmt, kind, rank, size):
-    config = LeapSparseConfig(fmt, 0.5, ["lm_head"], decode_dense=False)
+    config = LeapSparseConfig(LeapSparseSettings(fmt, 0.5, ("lm_head",)))
     layer = build_layer(monkeypatch, kind, config, rank, size)
     load(layer, fmt, LAYERS[kind])
     weight = expected_slice(kind, rank, size)
@@ -138,7 +139,7 @@ def test_decode_dense_flag_keeps_a_dense_weight(monkeypatch):
 
 
 def test_a_missing_tensor_names_the_layer(monkeypatch):
-    config = LeapSparseConfig("bitmap", 0.5, [], decode_dense=False)
+    config = LeapSparseConfig(LeapSparseSettings("bitmap", 0.5))
     layer = build_layer(monkeypatch, "qkv", config, 0, 1)
     list(layer.load_weights([(k, t) for k, t in stored("bitmap", LAYERS["qkv"])
                              if not (k == "values" and t.shard_id == "v")]))
@@ -147,7 +148,7 @@ def test_a_missing_tensor_names_the_layer(monkeypatch):
 
 
 def test_ignored_layers_stay_dense_and_fused_layers_must_agree(monkeypatch):
-    config = LeapSparseConfig("bitmap", 0.5, ["model.layers.0.mlp.down_proj"], decode_dense=False)
+    config = LeapSparseConfig(LeapSparseSettings("bitmap", 0.5, ("model.layers.0.mlp.down_proj",)))
     config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     dense = build_layer(monkeypatch, "down", config, 0, 1)
     assert isinstance(dense.quant_method, vllm_linear.UnquantizedLinearMethod)
@@ -169,7 +170,7 @@ def test_cpu_layers_compute_with_the_native_kernel(monkeypatch):
 
     if not cpu_kernel.load():
         pytest.skip(f"native kernel unavailable: {cpu_kernel.unavailable_reason()}")
-    config = LeapSparseConfig("bitmap", 0.5, [], decode_dense=False)
+    config = LeapSparseConfig(LeapSparseSettings("bitmap", 0.5))
     layer = build_layer(monkeypatch, "gate_up", config, 0, 1)
     load(layer, "bitmap", LAYERS["gate_up"])
     assert layer.leap_native
@@ -187,7 +188,7 @@ def test_without_the_native_kernel_layers_decode_per_call_after_one_warning(monk
     monkeypatch.setattr(leap_sparse.cpu_kernel, "unavailable_reason", lambda: "no compiler (test)")
     warnings = []
     monkeypatch.setattr(leap_sparse.logger, "warning", lambda *args: warnings.append(args[0] % args[1:]))
-    config = LeapSparseConfig("bitmap", 0.5, [], decode_dense=False)
+    config = LeapSparseConfig(LeapSparseSettings("bitmap", 0.5))
     layers = {kind: build_layer(monkeypatch, kind, config, 0, 1) for kind in ("gate_up", "down")}
     for kind, layer in layers.items():
         load(layer, "bitmap", LAYERS[kind])
@@ -196,3 +197,15 @@ def test_without_the_native_kernel_layers_decode_per_call_after_one_warning(monk
         torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ expected_slice(kind, 0, 1).T)
     assert warnings == ["leap_sparse: the native CPU kernel is unavailable: no compiler (test); "
                         "decoding each weight on every call instead (slow)"]
+
+
+def test_the_plugin_reads_the_contract_that_exports_write():
+    """What an export writes into config.json is what the plugin parses back; a kernel layout or another
+    method is refused with the contract's one-line reason."""
+    written = LeapSparseSettings("csr", 0.6, ("lm_head",)).to_config()
+    config = LeapSparseConfig.from_config(written)
+    assert (config.fmt, config.ignore, config.decode_dense) == ("csr", ["lm_head"], False)
+    with pytest.raises(ValueError, match="format 'tiled-csl' is not servable"):
+        LeapSparseConfig.from_config({**written, "format": "tiled-csl"})
+    with pytest.raises(ValueError, match="not a leap_sparse serving checkpoint"):
+        LeapSparseConfig.from_config({**written, "quant_method": "compressed-tensors"})

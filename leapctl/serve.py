@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from leapctl.errors import LeapctlError
+from serving import cpu_kernel
 from serving.contract import serving_problem
 
 # Stories-style models have no chat template; this one concatenates the messages after the BOS token
@@ -99,12 +100,20 @@ def _vllm_version() -> str | None:
 
 
 def check_device_support(export_dir: Path, config: dict) -> None:
-    """Refuse a model that vLLM would load but never answer for on this device: on a CPU, a head size its
-    attention kernels lack (stories260K's 8) makes every request fail with HTTP 500."""
+    """Refuse what would make the server die at load or never answer on this device: on a CPU, a
+    `LEAP_SPARSE_CPU_ISA` naming a kernel this CPU cannot run, and a head size vLLM's attention kernels
+    lack (stories260K's 8 loads, then every request fails with HTTP 500)."""
     import torch
 
     if torch.cuda.is_available():
         return
+    try:
+        wanted = cpu_kernel.requested_isa()
+        if wanted != "auto" and cpu_kernel.load() and wanted not in cpu_kernel.supported_isas():
+            raise ValueError(f"{cpu_kernel.ISA_ENV}={wanted}: this CPU runs only "
+                             f"{' and '.join(cpu_kernel.supported_isas())}")
+    except ValueError as exc:
+        raise LeapctlError(str(exc)) from None
     sizes = cpu_attention_head_sizes()
     size = head_size(config)
     if sizes is not None and size not in sizes:

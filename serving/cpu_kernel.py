@@ -67,10 +67,16 @@ def unavailable_reason() -> str:
     return "" if _status is None else _status[1]
 
 
-def _build_and_load(verbose: bool) -> tuple[bool, str]:
+def requested_isa() -> str:
+    """`LEAP_SPARSE_CPU_ISA` (default auto); ValueError when it names no kernel."""
     wanted = os.environ.get(ISA_ENV, "auto")
     if wanted not in ("auto", *ISAS):
         raise ValueError(f"{ISA_ENV}={wanted!r}: use auto, {' or '.join(ISAS)}")
+    return wanted
+
+
+def _build_and_load(verbose: bool) -> tuple[bool, str]:
+    wanted = requested_isa()
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"the kernel needs an x86-64 CPU, this is {platform.machine()}"
     try:

@@ -336,3 +336,12 @@ def test_a_server_that_dies_before_it_is_ready_is_one_line(stories260k_dir, tmp_
     last = server.log().strip().splitlines()[-1]
     assert last.startswith("error: the vLLM server exited with status") and "before it was ready" in last
     assert not server.group_alive(server.process.pid)
+
+
+def test_serve_refuses_a_kernel_choice_this_cpu_cannot_run(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """A wrong LEAP_SPARSE_CPU_ISA would kill every vLLM worker at load; serve says so before starting."""
+    export_dir = build_checkpoints(tiny_checkpoint("llama"), tmp_path, "bitmap")[1]
+    monkeypatch.setenv("LEAP_SPARSE_CPU_ISA", "avx1024")
+    status, stderr = run_cli(capsys, monkeypatch, str(export_dir))
+    assert status == 2 and stderr.startswith("error: ") and stderr.strip().count("\n") == 0
+    assert "LEAP_SPARSE_CPU_ISA='avx1024'" in stderr

@@ -1,13 +1,14 @@
 // AVX-512 kernels (F, BW, VL, VBMI2 for vpexpandw, BF16 for vdpbf16ps). Only this file's functions are
 // compiled for these instructions; the op calls them after checking the CPU's flags.
 //
-// Few rows of x (kDirectMaxM): each weight row is expanded word by word in registers and multiplied
-// with every row of x at once; rows are walked one after the other, so the values and the bitmap are
-// two sequential streams (with software prefetch ahead of them). More rows of x: blocks of kTileRows
-// weight rows are expanded into a dense tile (whole rows: L1 for short rows, L2 for long ones), and a
-// register-blocked micro-kernel multiplies the tile with up to kMaxChunk rows of x at a time, so each
-// expansion is shared by all rows of x and each load of x by kTileRows weight rows. Every constant below
-// was chosen by timing the alternatives side by side on the Zen 5 machines this project runs on.
+// Few rows of x (up to kDirectMaxM): blocks of kBlockRows weight rows are walked word by word at once,
+// each word expanded in a register and multiplied with every row of x, with software prefetch ahead of
+// the block's values and bitmap. More rows of x: blocks of kTileRows weight rows are expanded into a
+// dense tile (whole rows: L1 for short rows, L2 for long ones), and a register-blocked micro-kernel
+// multiplies the tile with up to kMaxChunk rows of x at a time, so each expansion is shared by all rows
+// of x and each load of x by kTileRows weight rows; the first pass prefetches the next block. Every
+// constant below was chosen by timing the alternatives side by side on the Zen 5 machines this project
+// runs on, with weights read from DRAM (bench/cpu_kernels.py).
 #include <immintrin.h>
 
 #include <cstdlib>
@@ -23,14 +24,22 @@
 namespace leap_sparse {
 namespace {
 
-constexpr int kDirectMaxM = 4;  // rows of x up to which weight rows are multiplied directly
-constexpr int kTileRows = 4;    // weight rows per tile
-constexpr int kMaxChunk = 6;    // rows of x per pass of the micro-kernel: 24 accumulators (4 and 6 measured
-                                // alike, 8 slower)
+// Rows of x up to which weight rows are multiplied directly: with bf16 each row of x takes one register
+// per word, fp16 and fp32 take two (the products are fp32). Above these, the tiles measured faster.
+template <DType D>
+constexpr int kDirectMaxM = D == DType::BF16 ? 6 : 3;
+// Weight rows walked at once by the direct path. One row at a time leaves the multiply-adds of a row
+// waiting for each other; four rows share each load of x and keep 4 x M independent sums (measured
+// 20-30% faster than one row with 2-4 words unrolled, when the values come from cache).
+constexpr int kBlockRows = 4;
+constexpr int kTileRows = 4;  // weight rows per tile
+constexpr int kMaxChunk = 6;  // rows of x per pass of the micro-kernel: 24 accumulators (4 to 8 measured alike)
 // Per weight row of the tile: whole rows up to 16384 bf16 columns. Splitting rows into L1-sized pieces
 // measured 10-25% slower at 8 and 16 rows of x (the partial sums go through memory between pieces).
 constexpr int64_t kTileBytes = 32768;
-constexpr int kPrefetchBytes = 4096;  // the hardware prefetcher alone left the kernel short of bandwidth
+// Software prefetch distance: the hardware prefetcher alone left the kernel at half the bandwidth;
+// 8 KiB measured best (2-4 KiB short of bandwidth, 32 KiB no better).
+constexpr int64_t kPrefetchBytes = 8192;
 
 inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -40,22 +49,28 @@ inline uint32_t mask_word(const uint8_t* row, int64_t w, int64_t bytes) {
   return word;
 }
 
-// The next popcount(word) 16-bit values of a row, placed at the word's set bits (zeros elsewhere). Two
-// 16-lane expands of register operands measured faster on Zen 5 than one 32-lane expand, and much
-// faster than vpexpandw's memory form, which GCC would fold the loads into without the empty asm.
+// The next popcount(word) 16-bit values of a row, placed at the word's set bits (zeros elsewhere).
+//
+// On Zen 5, vpexpandw and vexpandps with zero-masking ({z}) still wait for the previous value of their
+// destination register. GCC gives every expand of a loop the same destination, so all expands of a row
+// formed one serial chain, and the expand's latency, not its throughput, set the kernel's speed (1.3-1.5
+// ns per 32-column word and row at M = 1). Merge-masking into a register that was just zeroed (vpxord of
+// itself, which waits for nothing) breaks the chain. The empty asm hides that the register is zero, so
+// that GCC neither turns the merge back into {z} nor folds the load into vpexpandw's memory form (also
+// slower). With the chain gone, one 32-lane expand beats two 16-lane ones.
 inline __m512i expand16(uint32_t word, const uint16_t* v) {
-  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
-  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + _mm_popcnt_u32(word & 0xffffu)));
-  asm("" : "+v"(lo), "+v"(hi));
-  lo = _mm256_maskz_expand_epi16(static_cast<__mmask16>(word), lo);
-  hi = _mm256_maskz_expand_epi16(static_cast<__mmask16>(word >> 16), hi);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  __m512i packed = _mm512_loadu_si512(v);
+  __m512i fresh = _mm512_setzero_si512();
+  asm("" : "+v"(packed), "+v"(fresh));
+  return _mm512_mask_expand_epi16(fresh, static_cast<__mmask32>(word), packed);
 }
 
+// The same for 16 fp32 values (vexpandps has the same false dependency).
 inline __m512 expand_ps(uint32_t half_word, const float* v) {
   __m512 packed = _mm512_loadu_ps(v);
-  asm("" : "+v"(packed));
-  return _mm512_maskz_expand_ps(static_cast<__mmask16>(half_word), packed);
+  __m512 fresh = _mm512_setzero_ps();
+  asm("" : "+v"(packed), "+v"(fresh));
+  return _mm512_mask_expand_ps(fresh, static_cast<__mmask16>(half_word), packed);
 }
 
 inline uint16_t round_to_bf16(float f) {
@@ -140,67 +155,115 @@ inline Expanded<D> expand_word(uint32_t word, const typename Traits<D>::Value*& 
   return e;
 }
 
-// acc += the expanded word times 32 columns of one row of x (bf16 pairs, or fp32).
+// 32 columns of one row of x as the products take them: bf16 pairs, or two fp32 vectors.
 template <DType D>
-inline __m512 multiply_add(__m512 acc, const Expanded<D>& e, const void* x) {
+struct XWord {
+  __m512 lo, hi;
+  __m512i pairs;
+};
+
+template <DType D>
+inline XWord<D> load_x(const char* x) {
+  XWord<D> xv;
   if constexpr (D == DType::BF16) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)e.pairs, (__m512bh)_mm512_loadu_si512(x));
+    xv.pairs = _mm512_loadu_si512(x);
   } else {
-    const float* xf = static_cast<const float*>(x);
-    return _mm512_fmadd_ps(e.hi, _mm512_loadu_ps(xf + 16), _mm512_fmadd_ps(e.lo, _mm512_loadu_ps(xf), acc));
+    xv.lo = _mm512_loadu_ps(reinterpret_cast<const float*>(x));
+    xv.hi = _mm512_loadu_ps(reinterpret_cast<const float*>(x) + 16);
+  }
+  return xv;
+}
+
+// acc += the expanded word times 32 columns of one row of x.
+template <DType D>
+inline __m512 multiply_add(__m512 acc, const Expanded<D>& e, const XWord<D>& x) {
+  if constexpr (D == DType::BF16) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)e.pairs, (__m512bh)x.pairs);
+  } else {
+    return _mm512_fmadd_ps(e.hi, x.hi, _mm512_fmadd_ps(e.lo, x.lo, acc));
   }
 }
 
 // ---------------------------------------------------------------- few rows of x
 
-// One or two lines of values ahead (fp32 values take twice the bytes) and the bitmap's line once every
-// 16 words; called once per step of the word loop (one or two words).
+// One line of a row's values ahead (two for fp32) and its bitmap's line once every 16 words.
 template <typename Value>
-inline void prefetch_ahead(const Value* v, const uint8_t* bits, int64_t w) {
-  const char* ahead = reinterpret_cast<const char*>(v) + kPrefetchBytes;
+inline void prefetch_ahead(const Value* v, const uint8_t* bits, int64_t w, int64_t values_ahead,
+                           int64_t bitmap_ahead) {
+  const char* ahead = reinterpret_cast<const char*>(v) + values_ahead;
   _mm_prefetch(ahead, _MM_HINT_T0);
   if constexpr (sizeof(Value) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
-  if ((w & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(bits + 4 * w) + kPrefetchBytes, _MM_HINT_T0);
+  if ((w & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(bits + 4 * w) + bitmap_ahead, _MM_HINT_T0);
 }
 
-// Output row `row` for all M rows of x. A accumulators per row of x take turns word by word, so that
-// the multiply-adds of consecutive words do not wait for each other.
-template <DType D, int M, int A>
-void row_direct(const Problem& p, const typename Traits<D>::Value* v, int64_t row) {
+// Prefetch distances (bytes) for a block of rows read at once. The block's rows are consecutive, so each
+// row's place of reading, moved by a whole number of blocks, is the same place in its row of a later
+// block; a distance that is not such a multiple lands in a row that a neighbour is reading now (that
+// prefetch is wasted, and the later block starts cold: half the bandwidth, measured).
+struct Distances {
+  int64_t values, bitmap;
+};
+
+inline int64_t blocks_ahead(int64_t block_bytes) {
+  return block_bytes > 0 ? block_bytes * ((kPrefetchBytes + block_bytes - 1) / block_bytes) : kPrefetchBytes;
+}
+
+template <typename Value>
+Distances block_distances(const Problem& p, int64_t row_begin, int64_t row_end) {
+  // Rows are about equally long (exactly so for Wanda's masks); the average over the range is near enough.
+  const int64_t span = row_end - 1 - row_begin;
+  const int64_t block = span > 0 ? (p.row_offsets[row_end - 1] - p.row_offsets[row_begin]) * kBlockRows / span *
+                                       static_cast<int64_t>(sizeof(Value))
+                                 : 0;
+  return {blocks_ahead(block), blocks_ahead(kBlockRows * p.bitmap_stride)};
+}
+
+// Output rows row .. row + R (R <= 4) for all M rows of x, each a sum over its words in order, whatever R
+// is, so that the split of rows between threads leaves results unchanged.
+template <DType D, int M, int R>
+void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row, Distances ahead) {
+  using Value = typename Traits<D>::Value;
   const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
   const char* x = static_cast<const char*>(p.x);
   const int64_t x_row = p.x_stride * x_elem;
-  const uint8_t* bits = p.bitmap + row * p.bitmap_stride;
-  __m512 acc[A][M];
-  for (int a = 0; a < A; ++a)
-    for (int m = 0; m < M; ++m) acc[a][m] = _mm512_setzero_ps();
+  const Value* v[R];
+  const uint8_t* bits[R];
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r) {
+    v[r] = base + p.row_offsets[row + r];
+    bits[r] = p.bitmap + (row + r) * p.bitmap_stride;
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  }
   const int64_t full = p.cols / 32, tail_bytes = p.bitmap_stride - 4 * full;
-  int64_t w = 0;
-  for (; w + A <= full; w += A) {
-    prefetch_ahead(v, bits, w);
-    for (int a = 0; a < A; ++a) {
-      const Expanded<D> e = expand_word<D>(mask_word(bits, w + a, 4), v);
-      const char* xw = x + (w + a) * 32 * x_elem;
-      for (int m = 0; m < M; ++m) acc[a][m] = multiply_add<D>(acc[a][m], e, xw + m * x_row);
+  const auto step = [&](int64_t w, int64_t bytes) __attribute__((always_inline)) {
+    XWord<D> xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = load_x<D>(x + m * x_row + w * 32 * x_elem);
+    for (int r = 0; r < R; ++r) {
+      const Expanded<D> e = expand_word<D>(mask_word(bits[r], w, bytes), v[r]);
+      for (int m = 0; m < M; ++m) acc[r][m] = multiply_add<D>(acc[r][m], e, xv[m]);
     }
+  };
+  for (int64_t w = 0; w < full; ++w) {
+    for (int r = 0; r < R; ++r) prefetch_ahead(v[r], bits[r], w, ahead.values, ahead.bitmap);
+    step(w, 4);
   }
-  for (; w < full + (tail_bytes > 0 ? 1 : 0); ++w) {
-    const Expanded<D> e = expand_word<D>(mask_word(bits, w, w < full ? 4 : tail_bytes), v);
-    for (int m = 0; m < M; ++m) acc[0][m] = multiply_add<D>(acc[0][m], e, x + m * x_row + w * 32 * x_elem);
-  }
-  const float b = p.bias != nullptr ? p.bias[row] : 0.0f;
+  if (tail_bytes > 0) step(full, tail_bytes);
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
   for (int m = 0; m < M; ++m) {
-    __m512 sum = acc[0][m];
-    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[a][m]);
-    store<D>(p.y, m * p.y_stride + row, _mm512_reduce_add_ps(sum) + b);
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<D>(p.y, m * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
   }
 }
 
 template <DType D, int M>
 void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin,
                  int64_t row_end) {
-  constexpr int A = M == 1 ? 2 : (M == 2 ? 2 : 1);
-  for (int64_t row = row_begin; row < row_end; ++row) row_direct<D, M, A>(p, base + p.row_offsets[row], row);
+  const Distances ahead = block_distances<typename Traits<D>::Value>(p, row_begin, row_end);
+  int64_t row = row_begin;
+  for (; row + kBlockRows <= row_end; row += kBlockRows) block_direct<D, M, kBlockRows>(p, base, row, ahead);
+  for (; row < row_end; ++row) block_direct<D, M, 1>(p, base, row, ahead);
 }
 
 // ---------------------------------------------------------------- many rows of x
@@ -214,7 +277,7 @@ template <DType D>
 inline void expand_into_tile(const uint8_t* bits, const typename Traits<D>::Value*& v, int64_t w_begin,
                              int64_t w_end, int64_t full, int64_t tail_bytes, TileValue<D>* out) {
   for (int64_t w = w_begin; w < w_end; ++w) {
-    prefetch_ahead(v, bits, w);
+    prefetch_ahead(v, bits, w, kPrefetchBytes, kPrefetchBytes);
     const Expanded<D> e = expand_word<D>(mask_word(bits, w, w < full ? 4 : tail_bytes), v);
     TileValue<D>* o = out + (w - w_begin) * 32;
     if constexpr (D == DType::BF16) {
@@ -227,10 +290,27 @@ inline void expand_into_tile(const uint8_t* bits, const typename Traits<D>::Valu
 }
 
 // acc[r][m] += tile row r . x row m over `words` words (x already offset to the tile's first column).
+// Where the next block of weight rows lies, for prefetching it while this block is multiplied (the
+// multiply-adds would otherwise leave the memory idle): `lines` lines of values per word from `values`,
+// and a line of bitmap every four words from `bitmap`; lines == 0: nothing to prefetch.
+struct Ahead {
+  const char* values;
+  int64_t lines;
+  const char* bitmap;
+};
+
 template <DType D, int MC>
 inline void tile_multiply(__m512 (&acc)[kTileRows][MC], const TileValue<D>* tile, int64_t tile_stride,
-                          const char* x, int64_t x_row, int64_t words) {
+                          const char* x, int64_t x_row, int64_t words, Ahead ahead) {
   for (int64_t w = 0; w < words; ++w) {
+    if (ahead.lines > 0) {
+      for (int64_t i = 0; i < ahead.lines; ++i) _mm_prefetch(ahead.values + 64 * i, _MM_HINT_T0);
+      ahead.values += 64 * ahead.lines;
+      if ((w & 3) == 0) {
+        _mm_prefetch(ahead.bitmap, _MM_HINT_T0);
+        ahead.bitmap += 64;
+      }
+    }
     if constexpr (D == DType::BF16) {
       __m512i wv[kTileRows];
       for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_load_si512(tile + r * tile_stride + w * 32);
@@ -252,17 +332,11 @@ inline void tile_multiply(__m512 (&acc)[kTileRows][MC], const TileValue<D>* tile
   }
 }
 
-// One pass of MC rows of x (from m0) over a tile of columns; partial sums carry over between column
-// tiles in `partial` (kTileRows x M vectors), and the last tile writes y.
+// The end of a pass of MC rows of x (from m0) over a tile of columns: partial sums carry over between
+// column tiles in `partial` (kTileRows x M vectors), and the last tile writes y.
 template <DType D, int MC>
-void tile_pass(const Problem& p, const TileValue<D>* tile, int64_t tile_stride, int64_t words, int64_t column,
-               int64_t m0, bool first, bool last, __m512* partial, int64_t row, int rows_valid) {
-  const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
-  const char* x = static_cast<const char*>(p.x) + (m0 * p.x_stride + column) * x_elem;
-  __m512 acc[kTileRows][MC];
-  for (int r = 0; r < kTileRows; ++r)
-    for (int m = 0; m < MC; ++m) acc[r][m] = first ? _mm512_setzero_ps() : partial[r * p.m + m0 + m];
-  tile_multiply<D, MC>(acc, tile, tile_stride, x, p.x_stride * x_elem, words);
+inline void finish_pass(const Problem& p, __m512 (&acc)[kTileRows][MC], int64_t m0, bool last, __m512* partial,
+                        int64_t row, int rows_valid) {
   if (!last) {
     for (int r = 0; r < kTileRows; ++r)
       for (int m = 0; m < MC; ++m) partial[r * p.m + m0 + m] = acc[r][m];
@@ -277,9 +351,28 @@ void tile_pass(const Problem& p, const TileValue<D>* tile, int64_t tile_stride, 
   }
 }
 
+template <DType D, int MC>
+inline void start_pass(const Problem& p, __m512 (&acc)[kTileRows][MC], int64_t m0, bool first,
+                       const __m512* partial) {
+  for (int r = 0; r < kTileRows; ++r)
+    for (int m = 0; m < MC; ++m) acc[r][m] = first ? _mm512_setzero_ps() : partial[r * p.m + m0 + m];
+}
+
+// A pass of MC rows of x (from m0) over a tile already expanded.
+template <DType D, int MC>
+void tile_pass(const Problem& p, const TileValue<D>* tile, int64_t tile_stride, int64_t words, int64_t column,
+               int64_t m0, bool first, bool last, __m512* partial, int64_t row, int rows_valid, Ahead ahead) {
+  const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
+  const char* x = static_cast<const char*>(p.x) + (m0 * p.x_stride + column) * x_elem;
+  __m512 acc[kTileRows][MC];
+  start_pass<D, MC>(p, acc, m0, first, partial);
+  tile_multiply<D, MC>(acc, tile, tile_stride, x, p.x_stride * x_elem, words, ahead);
+  finish_pass<D, MC>(p, acc, m0, last, partial, row, rows_valid);
+}
+
 template <DType D>
 using PassFn = void (*)(const Problem&, const TileValue<D>*, int64_t, int64_t, int64_t, int64_t, bool, bool,
-                        __m512*, int64_t, int);
+                        __m512*, int64_t, int, Ahead);
 
 template <DType D, typename Ms>
 struct Passes;
@@ -309,15 +402,33 @@ void rows_tiled(const Problem& p, const typename Traits<D>::Value* base, int64_t
         expand_into_tile<D>(p.bitmap + (row + r) * p.bitmap_stride, v[r], w0, w1, full, tail_bytes,
                             tile + r * tile_stride);
       }
+      // The first pass prefetches the next block of rows (when rows fit the tile whole).
+      Ahead ahead{nullptr, 0, nullptr};
+      const int64_t next = row + kTileRows;
+      if (tile_words == words && next < p.rows) {
+        const int64_t after = smaller(next + kTileRows, p.rows - 1);
+        const int64_t bytes = (p.row_offsets[after] - p.row_offsets[next]) * static_cast<int64_t>(sizeof(Value));
+        ahead = {reinterpret_cast<const char*>(base + p.row_offsets[next]), (bytes + 64 * words - 1) / (64 * words),
+                 reinterpret_cast<const char*>(p.bitmap + next * p.bitmap_stride)};
+      }
       for (int64_t m0 = 0; m0 < p.m; m0 += kMaxChunk) {
         const int chunk = static_cast<int>(smaller(kMaxChunk, p.m - m0));
         Passes<D, std::make_integer_sequence<int, kMaxChunk>>::table[chunk - 1](
-            p, tile, tile_stride, w1 - w0, w0 * 32, m0, w0 == 0, w1 == words, partial, row, rows_valid);
+            p, tile, tile_stride, w1 - w0, w0 * 32, m0, w0 == 0, w1 == words, partial, row, rows_valid,
+            m0 == 0 ? ahead : Ahead{nullptr, 0, nullptr});
       }
     }
   }
   std::free(tile);
 }
+
+template <DType D, typename Ms>
+struct Direct;
+template <DType D, int... Ms>
+struct Direct<D, std::integer_sequence<int, Ms...>> {
+  using Fn = void (*)(const Problem&, const typename Traits<D>::Value*, int64_t, int64_t);
+  static constexpr Fn table[] = {&rows_direct<D, Ms + 1>...};
+};
 
 template <DType D>
 void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
@@ -328,15 +439,10 @@ void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_e
       for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
     return;
   }
-  switch (p.m <= kDirectMaxM ? p.m : 0) {
-    case 1: return rows_direct<D, 1>(p, base, row_begin, row_end);
-    case 2: return rows_direct<D, 2>(p, base, row_begin, row_end);
-    case 3: if constexpr (kDirectMaxM >= 3) return rows_direct<D, 3>(p, base, row_begin, row_end);
-    [[fallthrough]];
-    case 4: if constexpr (kDirectMaxM >= 4) return rows_direct<D, 4>(p, base, row_begin, row_end);
-    [[fallthrough]];
-    default: return rows_tiled<D>(p, base, row_begin, row_end);
+  if (p.m <= kDirectMaxM<D>) {
+    return Direct<D, std::make_integer_sequence<int, kDirectMaxM<D>>>::table[p.m - 1](p, base, row_begin, row_end);
   }
+  rows_tiled<D>(p, base, row_begin, row_end);
 }
 
 template <DType D>

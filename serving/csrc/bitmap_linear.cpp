@@ -94,25 +94,23 @@ DType value_dtype(at::ScalarType type) {
 }
 
 int64_t popcount_row(const uint8_t* row, int64_t bytes) {
-  int64_t count = 0;
-  for (int64_t i = 0; i < bytes; ++i) count += __builtin_popcount(row[i]);
+  int64_t count = 0, i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, row + i, 8);
+    count += __builtin_popcountll(word);
+  }
+  for (; i < bytes; ++i) count += __builtin_popcount(row[i]);
   return count;
 }
 
 // The first row from which every row ends less than kValuePad elements before the end of `values`:
-// the kernels' vector loads past those rows' last values would leave the tensor.
+// the kernels' vector loads past those rows' last values would leave the tensor. Rows end in order, so
+// this walks back from the last row (one or two steps unless rows hold fewer than kValuePad values).
 int64_t first_unpadded_row(const int64_t* offsets, int64_t rows, int64_t n_values) {
-  int64_t lo = 0, hi = rows;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    const int64_t end = mid + 1 < rows ? offsets[mid + 1] : n_values;
-    if (end + kValuePad > n_values) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return lo;
+  int64_t row = rows;
+  while (row > 0 && (row < rows ? offsets[row] : n_values) + kValuePad > n_values) --row;
+  return row;
 }
 
 at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
@@ -175,25 +173,25 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   const int64_t unpadded = first_unpadded_row(offset, rows, n_values);
   const int64_t tail_first = unpadded < rows ? offset[unpadded] : n_values;
   at::Tensor tail = at::empty({n_values - tail_first + kValuePad}, vals.options());
-  std::memset(tail.data_ptr(), 0, tail.numel() * elem);
-  if (n_values > tail_first) {
-    std::memcpy(tail.data_ptr(), static_cast<const char*>(vals.data_ptr()) + tail_first * elem,
-                (n_values - tail_first) * elem);
-  }
+  char* tail_data = static_cast<char*>(tail.data_ptr());
+  std::memcpy(tail_data, static_cast<const char*>(vals.data_ptr()) + tail_first * elem, (n_values - tail_first) * elem);
+  std::memset(tail_data + (n_values - tail_first) * elem, 0, kValuePad * elem);
   const Values whole{vals.data_ptr(), 0}, padded{tail.data_ptr(), tail_first};
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / std::max<int64_t>(n_cols, 1));
 
   if (m <= kSparseMaxM) {
     p.x_is_bf16 = isa == Isa::Avx512 && dtype == DType::BF16;
     const auto packed_type = p.x_is_bf16 ? at::kBFloat16 : at::kFloat;
-    at::Tensor packed = at::empty({m, padded_cols}, x.options().dtype(packed_type));
-    if (p.x_is_bf16) {
+    // bf16 rows of whole 32-column words need no copy (the usual case: hidden sizes are multiples of 32).
+    const bool as_is = p.x_is_bf16 && n_cols == padded_cols && (m == 1 || x2.stride(0) == n_cols);
+    at::Tensor packed = as_is ? x2 : at::empty({m, padded_cols}, x.options().dtype(packed_type));
+    if (p.x_is_bf16 && !as_is) {
       for (int64_t i = 0; i < m; ++i) {
         char* dst = static_cast<char*>(packed.data_ptr()) + i * padded_cols * 2;
         std::memcpy(dst, static_cast<const char*>(x2.data_ptr()) + i * x2.stride(0) * 2, n_cols * 2);
         std::memset(dst + n_cols * 2, 0, (padded_cols - n_cols) * 2);
       }
-    } else {
+    } else if (!p.x_is_bf16) {
       widen_x_avx2(dtype, x2.data_ptr(), x2.stride(0), m, n_cols, packed.data_ptr<float>(), padded_cols);
     }
     p.x = packed.data_ptr();

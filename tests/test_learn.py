@@ -437,8 +437,9 @@ def test_resume_refuses_other_settings_and_leaves_the_checkpoint(stories260k_dir
     out = tmp_path / "run"
     config = _config(stories260k_dir, calib_file, out)
     state = config.state_dir()
-    save_checkpoint(state, {"fingerprint": config.fingerprint(), "step": 2})
-    before = (state / "checkpoint.pt").read_bytes()
+    save_checkpoint(state, {"x": torch.zeros(1)}, {"fingerprint": config.fingerprint(False), "step": 2,
+                                                   "generation": 0}, distributed=False)
+    before = {path.name: path.read_bytes() for path in state.rglob("*") if path.is_file()}
     with pytest.raises(LeapctlError, match="pass --resume"):
         learn_masks(config)
     with pytest.raises(LeapctlError, match="other settings.*model"):
@@ -454,7 +455,7 @@ def test_resume_refuses_other_settings_and_leaves_the_checkpoint(stories260k_dir
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"error: --resume: the checkpoint at {state / 'checkpoint.pt'} was made with other settings "
+        f"error: --resume: the checkpoint at {state / 'checkpoint.json'} was made with other settings "
         "(sparsity 0.5 -> 0.6); rerun with the same settings or use --overwrite"
     ]
-    assert (state / "checkpoint.pt").read_bytes() == before
+    assert {path.name: path.read_bytes() for path in state.rglob("*") if path.is_file()} == before

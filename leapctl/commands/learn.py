@@ -33,7 +33,12 @@ def learn(
         0, "--micro-batch-size", help="Sequences per forward on one process (0: the whole share)."
     ),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
-    lr: float = typer.Option(1e-2, "--lr", help="Peak AdamW learning rate of the logits."),
+    preset: str = typer.Option(
+        "auto", "--preset",
+        help="auto (learns from step 1 at any budget: +-0.5 logits, lr max(0.4/sqrt(steps), 2.8/steps), no "
+        "magnitude term) or paper (+-3, lr 1e-2, magnitude term); explicit flags override it.",
+    ),
+    lr: float | None = typer.Option(None, "--lr", help="Peak AdamW learning rate of the logits (default: preset)."),
     warmup_steps: int = typer.Option(5, "--warmup-steps", help="Linear warm-up before the cosine decay."),
     beta1: float = typer.Option(0.9, "--beta1"),
     beta2: float = typer.Option(0.95, "--beta2"),
@@ -46,16 +51,33 @@ def learn(
     fixed_tau: bool = typer.Option(False, "--fixed-tau", help="Ablation: hold tau at --tau-start."),
     lambda1: float = typer.Option(7.0, "--lambda1", help="Weight of |global density - target density|."),
     lambda2: float = typer.Option(10.0, "--lambda2", help="Weight of the (decaying) kept-magnitude ratio."),
-    no_magnitude: bool = typer.Option(False, "--no-magnitude", help="Ablation: drop the magnitude term."),
+    magnitude: bool | None = typer.Option(
+        None, "--magnitude/--no-magnitude", help="The decaying magnitude term (default: preset; paper has it)."
+    ),
+    max_grad_norm: float = typer.Option(
+        1.0, "--max-grad-norm", help="Clip the logits' gradient norm (the authors' 1.0); 0 turns it off."
+    ),
+    distill: float | None = typer.Option(
+        None, "--distill",
+        help="Weight d of KL(dense || masked) against the same model with the masks off; the LM loss gets "
+        "1 - d (default: preset).",
+    ),
+    reconstruct: bool | None = typer.Option(
+        None, "--reconstruct/--no-reconstruct",
+        help="After the hard mask, refit the kept weights by least squares per layer on --nsamples windows "
+        "(default: preset).",
+    ),
     init: str = typer.Option(
         "wanda", "--init", help="wanda (+-scale), wanda-small (authors' code) or random."
     ),
-    init_scale: float = typer.Option(3.0, "--init-scale", help="s of the +-s Wanda initialisation."),
+    init_scale: float | None = typer.Option(
+        None, "--init-scale", help="s of the +-s Wanda initialisation (default: preset)."
+    ),
     init_masks: Path | None = typer.Option(
         None, "--init-masks", help="Start from this mask file (a prune run's masks.safetensors), not Wanda."
     ),
     nsamples: int = typer.Option(
-        128, "--nsamples", help="Calibration sequences for the Wanda initialisation."
+        128, "--nsamples", help="Calibration sequences for the Wanda initialisation and the reconstruction."
     ),
     calib_tokens: int = typer.Option(
         0,
@@ -119,6 +141,7 @@ def learn(
         batch_size=batch_size,
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
+        preset=preset,
         lr=lr,
         warmup_steps=warmup_steps,
         beta1=beta1,
@@ -132,7 +155,10 @@ def learn(
         fixed_tau=fixed_tau,
         lambda1=lambda1,
         lambda2=lambda2,
-        magnitude_term=not no_magnitude,
+        magnitude_term=magnitude,
+        max_grad_norm=max_grad_norm,
+        distill=distill,
+        reconstruct=reconstruct,
         init=init,
         init_scale=init_scale,
         init_masks=init_masks,

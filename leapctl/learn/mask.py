@@ -50,7 +50,7 @@ def _uniform_cpu(numel: int, seed: int) -> torch.Tensor:
         generator.manual_seed(_chunk_seed(seed, chunk))
         start = chunk * NOISE_CHUNK
         piece = u[start : start + NOISE_CHUNK]
-        torch.rand(piece.numel(), generator=generator, out=piece)
+        torch.rand(piece.numel(), generator=generator, out=piece, device="cpu")
 
     chunks = range((numel + NOISE_CHUNK - 1) // NOISE_CHUNK)
     threads = torch.get_num_threads()

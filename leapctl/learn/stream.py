@@ -74,9 +74,9 @@ class WindowStream:
         epoch, offset = divmod(i, self.windows_per_epoch)
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.windows_per_epoch, generator=generator)
+            self._perm = torch.randperm(self.windows_per_epoch, generator=generator, device="cpu").tolist()
             self._epoch = epoch
-        return int(self._perm[offset])
+        return self._perm[offset]
 
     def peek(self, start: int, count: int) -> torch.Tensor:
         """Windows [position + start, position + start + count) as an int64 [count, seq_len] batch."""

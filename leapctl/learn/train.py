@@ -349,7 +349,7 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
     interrupted = 0
     done = start_step
     run_start = time.perf_counter()
-    with _StopFlag(state_dir is not None) as stop, \
+    with _StopFlag(state_dir is not None) as stop, _single_sequences(), \
             _progress_bar(master and config.progress, config.steps, start_step) as bar:
         for step in range(start_step, config.steps):
             step_start = time.perf_counter()
@@ -576,6 +576,25 @@ def _restore(state_dir: Path, meta: dict, weight_names, masked, optimizer, distr
     groups = [{**saved, "params": group["params"]} for saved, group in
               zip(meta["param_groups"], optimizer.state_dict()["param_groups"], strict=True)]
     optimizer.load_state_dict({"state": slots, "param_groups": groups})
+
+
+@contextlib.contextmanager
+def _single_sequences():
+    """Every training window is one contiguous sequence (the positions the model derives, 0..T-1), so tell
+    transformers there is no packing instead of letting it test the positions on the device and read the
+    answer back: a host sync in every forward (`masking_utils.find_packed_sequence_indices`, which returns
+    None for such inputs anyway). Without that function there is nothing to skip."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _truncate_metrics(path: Path, start_step: int) -> None:

@@ -58,8 +58,8 @@ def _config(**overrides) -> LearnConfig:
 
 def _learn(setup, corpus=None, **overrides):
     model, tokenizer, ids, init = setup
-    return leap_masks(copy.deepcopy(model), tokenizer, ids if corpus is None else corpus, _config(**overrides),
-                      init=init)
+    corpus = ids if corpus is None else corpus
+    return leap_masks(copy.deepcopy(model), tokenizer, corpus, _config(**overrides), init=init)
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_resume_restores_adamw_through_load_state_dict_and_ends_bit_for_bit(setu
 
     whole = _learn(setup, out=tmp_path / "whole", save_logits=True)
     interrupted = tmp_path / "resumed"
-    _learn(setup, out=interrupted, steps=4, checkpoint_every=2, save_logits=True)  # leaves the step-2 checkpoint
+    _learn(setup, out=interrupted, steps=4, checkpoint_every=2, save_logits=True)  # leaves the step-2 one
     state = interrupted.with_name("resumed.learn-state")
     index = json.loads((state / "checkpoint.json").read_text())
     assert index["step"] == 2
@@ -183,7 +183,11 @@ def test_one_host_sync_per_optimizer_step(setup, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     starts = []
     temperature = train.mask_temperature
-    monkeypatch.setattr(train, "mask_temperature", lambda *a, **k: (starts.append(len(calls)), temperature(*a, **k))[1])
+    def at_step_start(*args, **kwargs):
+        starts.append(len(calls))
+        return temperature(*args, **kwargs)
+
+    monkeypatch.setattr(train, "mask_temperature", at_step_start)
     _learn(setup, steps=5, distill=0.5)
     per_step = np.diff(starts).tolist()
     assert len(starts) == 5 and per_step[1:] == [1, 1, 1], per_step
@@ -220,7 +224,7 @@ def test_checkpoints_hold_positions_not_tokens_and_resume_without_pickle(setup, 
     _learn(setup, corpus=ids, out=tmp_path / "small", steps=4, checkpoint_every=2)
     _learn(setup, corpus=big, out=tmp_path / "big", steps=4, checkpoint_every=2)
     small_state, big_state = tmp_path / "small.learn-state", tmp_path / "big.learn-state"
-    assert _checkpoint_bytes(small_state) == _checkpoint_bytes(big_state) < 4 * big.numel() / 4  # uint32 bytes
+    assert _checkpoint_bytes(small_state) == _checkpoint_bytes(big_state) < 4 * big.numel() / 4  # of uint32
     files = {f.suffix for f in big_state.rglob("*") if f.is_file()}
     assert files <= {".safetensors", ".json", ".jsonl"}, files
 
@@ -244,7 +248,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _sharded_hard_masks(rank: int, world: int, port: int, logits: dict, density: float, mode: str, out) -> None:
+def _sharded_hard_masks(rank: int, world: int, port: int, logits: dict, density: float, mode: str,
+                        out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -35,10 +35,12 @@ def learn(
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
     preset: str = typer.Option(
         "auto", "--preset",
-        help="auto (learns from step 1 at any budget: +-0.5 logits, lr max(0.4/sqrt(steps), 2.8/steps), no "
+        help="auto (learns from step 1 at any budget: +-0.5 logits, lr 0.4/sqrt(steps), no "
         "magnitude term) or paper (+-3, lr 1e-2, magnitude term); explicit flags override it.",
     ),
-    lr: float | None = typer.Option(None, "--lr", help="Peak AdamW learning rate of the logits (default: preset)."),
+    lr: float | None = typer.Option(
+        None, "--lr", help="Peak AdamW learning rate of the logits (default: preset)."
+    ),
     warmup_steps: int = typer.Option(5, "--warmup-steps", help="Linear warm-up before the cosine decay."),
     beta1: float = typer.Option(0.9, "--beta1"),
     beta2: float = typer.Option(0.95, "--beta2"),
@@ -52,7 +54,7 @@ def learn(
     lambda1: float = typer.Option(7.0, "--lambda1", help="Weight of |global density - target density|."),
     lambda2: float = typer.Option(10.0, "--lambda2", help="Weight of the (decaying) kept-magnitude ratio."),
     magnitude: bool | None = typer.Option(
-        None, "--magnitude/--no-magnitude", help="The decaying magnitude term (default: preset; paper has it)."
+        None, "--magnitude/--no-magnitude", help="The decaying magnitude term (default: preset; paper: on)."
     ),
     max_grad_norm: float = typer.Option(
         1.0, "--max-grad-norm", help="Clip the logits' gradient norm (the authors' 1.0); 0 turns it off."

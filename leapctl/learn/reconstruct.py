@@ -121,9 +121,11 @@ def reconstruct_weights(model: nn.Module, mask_set: MaskSet, calib_ids: torch.Te
             mine = {name: module for name, module in block.named_modules()
                     if f"{prefix}.{index}.{name}" in masks}
             dense_block = copy.deepcopy(block) if dense_target else None
-            stats = {name: _Statistics(module.in_features, compute, dense_target) for name, module in mine.items()}
+            stats = {name: _Statistics(module.in_features, compute, dense_target)
+                     for name, module in mine.items()}
             for part, (args, kwargs) in zip(parts, block_args[index], strict=True):
-                dense_inputs = _inputs_of(dense_block, mine, dense_hidden[part], args, kwargs) if dense_target else {}
+                dense_inputs = (_inputs_of(dense_block, mine, dense_hidden[part], args, kwargs)
+                                if dense_target else {})
                 sparse_inputs = _inputs_of(block, mine, hidden[part], args, kwargs)
                 for name, x in sparse_inputs.items():
                     stats[name].add(x, dense_inputs.get(name))

@@ -261,8 +261,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
     if isinstance(corpus, str):
         corpus = training_corpus(dataclasses.replace(config, calib=corpus), model, tokenizer)
     if meta is not None and meta["tokens"] != len(corpus):
-        raise LeapctlError(f"--resume: the checkpoint was trained on {meta['tokens']} tokens, the token stream "
-                           f"holds {len(corpus)}")
+        raise LeapctlError(f"--resume: the checkpoint was trained on {meta['tokens']} tokens, the token "
+                           f"stream holds {len(corpus)}")
 
     # ---------------------------------------------------------------- frozen model, logits, stream
     torch.manual_seed(config.seed)
@@ -282,8 +282,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
     else:
         keep = _initial_keep(model, corpus, config, linears, init, device)
         generator = torch.Generator().manual_seed(config.seed)
-        logits = {name: t.to(device)
-                  for name, t in init_logits(keep, config.init, config.init_scale, generator, logits_dtype).items()}
+        start = init_logits(keep, config.init, config.init_scale, generator, logits_dtype)
+        logits = {name: t.to(device) for name, t in start.items()}
     mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype,
                            track_norms=config.magnitude_term and config.lambda2 != 0)
     masked = attach_masks(model, linears, logits, mask_state)
@@ -310,7 +310,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
         logit_params, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay,
         fused=True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(config.warmup_steps, config.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  cosine_with_warmup(config.warmup_steps, config.steps))
     start_step, generation = 0, 0
     if meta is not None:
         _restore(state_dir, meta, weight_names, masked, optimizer, distributed)
@@ -339,7 +340,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
             "generation": generation,
             "data_position": stream.position,
             "scheduler": scheduler.state_dict(),
-            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+            "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                             for group in optimizer.param_groups],
             "rng": rng_states(),
             "tokens": len(corpus),
         }, distributed)
@@ -354,7 +356,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
         for step in range(start_step, config.steps):
             step_start = time.perf_counter()
             alpha, tau = mask_temperature(step, config.steps, (config.alpha_start, config.alpha_end),
-                                          (config.tau_start, config.tau_end), config.fixed_alpha, config.fixed_tau)
+                                          (config.tau_start, config.tau_end), config.fixed_alpha,
+                                          config.fixed_tau)
             mask_state.alpha, mask_state.tau = alpha, tau
             decay = magnitude_decay(step, config.steps) if config.magnitude_term else 0.0
             batch = stream.peek(0, config.batch_size)
@@ -372,16 +375,18 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
                     mask_state.start_micro_batch(step, micro_batch)
                     out = train_model(input_ids=ids, labels=ids, use_cache=False)
                     lm_loss = out.loss.float()
-                    kl = distillation_kl(out.logits, teacher) if teacher is not None else torch.zeros_like(lm_loss)
+                    kl = (distillation_kl(out.logits, teacher) if teacher is not None
+                          else torch.zeros_like(lm_loss))
                     del out, teacher
                     terms = regularisers(mask_state.mask_sums, mask_state.masked_norms_sq, total_weights,
-                                         dense_norm_sum, config.density, config.lambda1, config.lambda2, decay)
+                                         dense_norm_sum, config.density, config.lambda1, config.lambda2,
+                                         decay)
                     task = (1.0 - config.distill) * lm_loss + config.distill * kl
                     loss = task + terms.density_penalty + terms.magnitude_penalty
                     mask_state.recording = False  # checkpoint recomputation in backward must not record
                     (loss / micro_local).backward()
-                sums += torch.stack([lm_loss, kl, terms.density, terms.density_penalty, terms.magnitude_penalty,
-                                     loss]).detach().double()
+                sums += torch.stack([lm_loss, kl, terms.density, terms.density_penalty,
+                                     terms.magnitude_penalty, loss]).detach().double()
             grad_norm = _clip_gradients(logit_params, config.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -422,7 +427,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
         raise LearnInterrupted(done, interrupted, state_dir)
 
     # ---------------------------------------------------------------- the hard mask, the pruned model
-    final = {name: layer.mask_logits.detach() for name, layer in zip(weight_names, masked.values(), strict=True)}
+    final = {name: layer.mask_logits.detach()
+             for name, layer in zip(weight_names, masked.values(), strict=True)}
     local = {name: (p.to_local() if hasattr(p, "to_local") else p) for name, p in final.items()}
     keep = hard_masks(local, config.density, config.hard_mask, group=dist.group.WORLD if sharded else None)
     masks = {name: _full_cpu(keep[name].to(torch.uint8), final[name]).bool() for name in weight_names}
@@ -432,7 +438,8 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
         "device": str(device),
         "resumed_at_step": start_step or None,
         "train_seconds_this_process": train_seconds,
-        "tokens_per_s": (config.steps - start_step) * tokens_per_step / train_seconds if train_seconds else None,
+        "tokens_per_s": ((config.steps - start_step) * tokens_per_step / train_seconds
+                         if train_seconds else None),
         "peak_memory": _peak_memory(device),
         "final_soft_density_noiseless": _soft_density(final, mask_state, total_weights, sharded),
         "masked_weights": total_weights,
@@ -538,7 +545,8 @@ def _checked_keep(mask_set: MaskSet, linears, sparsity: float, origin: str) -> d
     if set(mask_set.masks) != set(expected):
         missing = sorted(set(expected) - set(mask_set.masks))
         extra = sorted(set(mask_set.masks) - set(expected))
-        raise LeapctlError(f"{origin} does not cover the learned layers (missing {missing[:2]}, extra {extra[:2]})")
+        raise LeapctlError(f"{origin} does not cover the learned layers "
+                           f"(missing {missing[:2]}, extra {extra[:2]})")
     for name, shape in expected.items():
         if tuple(mask_set.masks[name].shape) != shape:
             raise LeapctlError(f"{origin}: {name} has shape {tuple(mask_set.masks[name].shape)}, "
@@ -601,7 +609,8 @@ def _truncate_metrics(path: Path, start_step: int) -> None:
     """On resume, forget metric lines of steps after the checkpoint (they will be run again)."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start_step]
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] < start_step]
     path.write_text("".join(line + "\n" for line in keep))
 
 

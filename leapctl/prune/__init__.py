@@ -49,16 +49,19 @@ def _calibrated(name: str, masks_fn: Callable[..., MaskSet]) -> Callable[..., Ma
     return run
 
 
-def _leap(model, tokenizer, corpus, sparsity, **settings) -> MaskSet:
+def _leap(model, tokenizer, corpus, sparsity, init: MaskSet | None = None, **settings) -> MaskSet:
+    """`leap_masks` with `settings` as `LearnConfig` fields; `init` is the mask to start from."""
     from leapctl.learn import LearnConfig, leap_masks
 
     name = str(getattr(model, "name_or_path", ""))
-    return leap_masks(model, tokenizer, corpus, LearnConfig(model=name, sparsity=sparsity, **settings))
+    config = LearnConfig(model=name, sparsity=sparsity, **settings)
+    return leap_masks(model, tokenizer, corpus, config, init=init)
 
 
 register("magnitude", _magnitude, "none", "smallest |W| of each layer")
 register("wanda", _calibrated("wanda", wanda_masks), "calibration", "|W| * RMS(x), per output row")
-register("sparsegpt", _calibrated("sparsegpt", sparsegpt_masks), "calibration", "OBS masks and weight updates per layer")
+register("sparsegpt", _calibrated("sparsegpt", sparsegpt_masks), "calibration",
+         "OBS masks and weight updates per layer")
 register("leap", _leap, "corpus", "mask logits learned end to end (leapctl learn)")
 
 ONE_SHOT = tuple(name for name, method in METHODS.items() if method.data != "corpus")

@@ -46,9 +46,13 @@ def learn(
     beta2: float = typer.Option(0.95, "--beta2"),
     weight_decay: float = typer.Option(0.0, "--weight-decay"),
     alpha_start: float = typer.Option(25.0, "--alpha-start", help="Logit scale alpha at the first step."),
-    alpha_end: float = typer.Option(350.0, "--alpha-end", help="Logit scale alpha at the last step."),
+    alpha_end: float | None = typer.Option(
+        None, "--alpha-end", help="Logit scale alpha at the last step (default: preset; paper 350)."
+    ),
     tau_start: float = typer.Option(4.0, "--tau-start", help="Temperature tau at the first step."),
-    tau_end: float = typer.Option(0.05, "--tau-end", help="Temperature tau at the last step."),
+    tau_end: float | None = typer.Option(
+        None, "--tau-end", help="Temperature tau at the last step (default: preset; paper 0.05)."
+    ),
     fixed_alpha: bool = typer.Option(False, "--fixed-alpha", help="Ablation: hold alpha at --alpha-start."),
     fixed_tau: bool = typer.Option(False, "--fixed-tau", help="Ablation: hold tau at --tau-start."),
     lambda1: float = typer.Option(7.0, "--lambda1", help="Weight of |global density - target density|."),

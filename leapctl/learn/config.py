@@ -11,7 +11,11 @@ Presets (`--preset`):
   times (6 at 200 steps). T = 50, 200, 2000 give 0.057, 0.028, 0.0089 (the paper's 1e-2 at its 2000 steps).
   Under ~25 steps nothing helps: alpha/tau passes 25 within the first fifth of the run, and logits of +-0.5
   saturate before they can cross. No magnitude term: it pulls towards magnitude pruning and measured no
-  better without it.
+  better without it. Distillation from the dense model (`distill` 1.0: KL to the same model's logits with
+  the masks off) and a schedule that stops at alpha 100 / tau 1 instead of 350 / 0.05 (the mask stays soft
+  enough to learn until the end; the hard mask is taken from the logits anyway): on stories260K at 50%,
+  200 steps x 8 x 128, ppl 5.74 -> 4.95, and at 60% 7.95 -> 6.39. Distillation costs one more forward
+  per micro-batch.
 - `paper`: the paper's settings (and the authors' code's where the paper is silent): +-3 logits, lr 1e-2,
   the decaying magnitude term with lambda2 = 10. For reproducing the paper at its budget (2000 steps of
   ~1M tokens); in short runs its logits do not move.
@@ -30,8 +34,10 @@ LOGITS_DTYPES = ("float32", "bfloat16")
 PRESETS = ("auto", "paper")
 # What each preset puts into the settings left at None ("auto" for lr is the rule above).
 PRESET_VALUES = {
-    "auto": dict(init_scale=0.5, lr="auto", magnitude_term=False, distill=0.0, reconstruct=False),
-    "paper": dict(init_scale=3.0, lr=1e-2, magnitude_term=True, distill=0.0, reconstruct=False),
+    "auto": dict(init_scale=0.5, lr="auto", magnitude_term=False, distill=1.0, alpha_end=100.0, tau_end=1.0,
+                 reconstruct=False),
+    "paper": dict(init_scale=3.0, lr=1e-2, magnitude_term=True, distill=0.0, alpha_end=350.0, tau_end=0.05,
+                  reconstruct=False),
 }
 # Settings that change neither the windows, the noise nor the arithmetic (only speed, memory, bookkeeping,
 # or the order of floating-point sums): a resume may change them.
@@ -67,16 +73,17 @@ class LearnConfig:
     batch_size: int = 8  # global, in sequences, per optimizer step
     micro_batch_size: int = 0  # per forward on one process; 0 means the whole per-process batch
     seq_len: int = 256
-    preset: str = "auto"  # fills init_scale, lr, magnitude_term, distill and reconstruct when left None
+    preset: str = "auto"  # fills the settings left None: init_scale, lr, magnitude_term, distill, the
+    # temperature schedule's ends (alpha_end, tau_end) and reconstruct
     lr: float | None = None  # peak AdamW learning rate of the logits
     warmup_steps: int = 5
     beta1: float = 0.9
     beta2: float = 0.95
     weight_decay: float = 0.0
     alpha_start: float = 25.0
-    alpha_end: float = 350.0
+    alpha_end: float | None = None  # alpha at the last step (default: preset)
     tau_start: float = 4.0
-    tau_end: float = 0.05
+    tau_end: float | None = None  # tau at the last step (default: preset)
     fixed_alpha: bool = False
     fixed_tau: bool = False
     lambda1: float = 7.0
@@ -170,7 +177,8 @@ class LearnConfig:
             raise LeapctlError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if self.warmup_steps < 0:
             raise LeapctlError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if min(self.alpha_start, self.alpha_end, self.tau_start, self.tau_end) <= 0:
+        ends = [v for v in (self.alpha_end, self.tau_end) if v is not None]
+        if min(self.alpha_start, self.tau_start, *ends) <= 0:
             raise LeapctlError("alpha and tau must be positive")
         if self.init not in INIT_MODES:
             raise LeapctlError(f"--init must be one of {', '.join(INIT_MODES)}, got {self.init!r}")

@@ -47,7 +47,7 @@ from leapctl.learn.checkpoint import (
     rng_states,
     save_checkpoint,
 )
-from leapctl.learn.config import LearnConfig
+from leapctl.learn.config import PRESET_VALUES, LearnConfig
 from leapctl.learn.loss import distillation_kl, regularisers
 from leapctl.learn.mask import MaskState, attach_masks, detach_masks, hard_masks, init_logits, soft_mask
 from leapctl.learn.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
@@ -454,8 +454,9 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
     learned = LearnedMasks(
         masks=masks, model=str(getattr(model, "name_or_path", config.model)),
         extra={"method": "leap", "target_sparsity": config.sparsity, "hard_mask": config.hard_mask,
-               "preset": config.preset, "lr": config.lr, "init_scale": config.init_scale,
-               "distill": config.distill, "reconstruct": config.reconstruct},
+               "preset": config.preset, "steps": config.steps, "batch_size": config.batch_size,
+               "seq_len": config.seq_len,
+               **{key: getattr(config, key) for key in PRESET_VALUES[config.preset]}},
         stats=stats,
     )
     if not sharded:

@@ -2,10 +2,11 @@
 
 Both run on the same randomly initialised Qwen2.5-0.5B-shaped model (or a smaller shape of the same
 family on CPU), the same batch and sequence length, AdamW, in this one script run; each variant runs in
-its own child process so that its peak memory is its own. The learn step is the loop of
-`leapctl.learn.train` (masked linears, regularisers, AdamW on the logits, gradient checkpointing per
-block, bf16 autocast on CUDA, or on CPU with --autocast; fused AdamW); the fine-tuning step trains every
-weight with the same checkpointing, autocast and optimizer.
+its own child process so that its peak memory is its own. The learn step is the real loop,
+`leapctl.learn.leap_masks` (masked linears, regularisers, fused AdamW on the logits, gradient clipping,
+one host sync per step, gradient checkpointing per block, bf16 autocast on CUDA, or on CPU with
+--autocast), timed by its own per-step clock; the fine-tuning step trains every weight with the same
+checkpointing, autocast, optimizer and clipping.
 
     python bench/learn_speed.py                       # CPU: the `small` shape
     python bench/learn_speed.py --shape full --device cuda --batch 8 --seq-len 4096
@@ -50,68 +51,61 @@ def _rss_now() -> int:
 
 
 def run_variant(variant: str, args: dict, results) -> None:
-    """One variant in a child process: warm-up steps, then timed steps; tokens/s and peak memory."""
-    from leapctl.learn.loss import regularisers
-    from leapctl.learn.mask import MaskState, attach_masks
-    from leapctl.models import prunable_linears
+    """One variant in a child process: warm-up steps, then timed steps; tokens/s and peak memory.
 
+    `learn` runs the real loop, `leap_masks` (random initial mask, distillation off), and times its steps
+    from the loop's own per-step clock; `finetune` trains every weight with the same checkpointing,
+    autocast, fused AdamW, gradient clipping at 1.0 and one host read of the loss per step."""
     torch.set_num_threads(args["threads"]) if args["threads"] else None
     device = torch.device(args["device"])
     model = build_model(args["shape"], device)
     autocast_on = args["autocast"] if args["autocast"] is not None else device.type == "cuda"
-    if variant == "learn":
-        model.requires_grad_(False)
-        linears = prunable_linears(model)
-        generator = torch.Generator().manual_seed(0)
-        logits = {f"{n}.weight": (torch.randn(lin.weight.shape, generator=generator) * 0.05).to(device)
-                  for n, lin in linears.items()}  # fmt: skip
-        state = MaskState(compute_dtype=torch.bfloat16 if autocast_on else torch.float32)
-        masked = attach_masks(model, linears, logits, state)
-        params = [layer.mask_logits for layer in masked.values()]
-        total = sum(lin.weight.numel() for lin in linears.values())
-        dense_norm = sum(float(lin.weight.norm()) for lin in linears.values())
-    else:
-        params = list(model.parameters())
-    if args["checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-    ids = torch.randint(
-        0, SHAPES[args["shape"]]["vocab_size"], (args["batch"], args["seq_len"]), device=device
-    )
+    total_steps = args["warmup"] + args["steps"]
+    tokens_per_step = args["batch"] * args["seq_len"]
     rss_before = _rss_now()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base_allocated = torch.cuda.memory_allocated(device)
+    if variant == "learn":
+        from leapctl.learn import LearnConfig, leap_masks
 
-    def step(index: int) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_on):
-            if variant == "learn":
-                state.start_micro_batch(index, 0)
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
-                terms = regularisers(
-                    state.mask_sums, state.masked_norms_sq, total, dense_norm, 0.5, 7.0, 10.0, 0.5
-                )
-                loss = loss + terms.density_penalty + terms.magnitude_penalty
-                state.recording = False
-            else:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        generator = torch.Generator().manual_seed(0)
+        corpus = torch.randint(0, SHAPES[args["shape"]]["vocab_size"], (total_steps * tokens_per_step,),
+                               generator=generator)
+        config = LearnConfig(model=f"random {args['shape']}", sparsity=0.5, steps=total_steps,
+                             batch_size=args["batch"], seq_len=args["seq_len"], init="random", distill=0.0,
+                             gradient_checkpointing=args["checkpointing"], autocast=autocast_on,
+                             checkpoint_every=0, progress=False)
+        learned = leap_masks(model, None, corpus, config)
+        seconds = sum(m["step_s"] for m in learned.stats["metrics"][args["warmup"]:]) / args["steps"]
+        trainable = learned.stats["masked_weights"]
+    else:
+        params = list(model.parameters())
+        if args["checkpointing"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+        ids = torch.randint(0, SHAPES[args["shape"]]["vocab_size"], (args["batch"], args["seq_len"]),
+                            device=device)
 
-    for index in range(args["warmup"]):
-        step(index)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for index in range(args["steps"]):
-        step(args["warmup"] + index)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - start) / args["steps"]
-    result = {"seconds_per_step": seconds, "tokens_per_s": args["batch"] * args["seq_len"] / seconds,
-              "trainable_parameters": sum(p.numel() for p in params),
+        def step() -> float:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_on):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()  # the one host read a training loop makes to log its loss
+
+        for _ in range(args["warmup"]):
+            step()
+        start = time.perf_counter()
+        for _ in range(args["steps"]):
+            step()
+        seconds = (time.perf_counter() - start) / args["steps"]
+        trainable = sum(p.numel() for p in params)
+    result = {"seconds_per_step": seconds, "tokens_per_s": tokens_per_step / seconds,
+              "trainable_parameters": trainable,
               "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "rss_before_steps_bytes": rss_before}  # fmt: skip
     if device.type == "cuda":

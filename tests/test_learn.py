@@ -1,6 +1,7 @@
 """LEAP mask learning: the masked linear against plain autograd, exact hard masks, schedules, the
 regularisers, the window stream, a whole tiny run, and bad input."""
 
+import copy
 import json
 import math
 import subprocess
@@ -346,20 +347,47 @@ def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, cali
     assert not result.state_dir.exists()
 
 
-def test_learn_moves_the_mask_away_from_wanda(stories260k_dir, calib_file, tmp_path):
-    """The logits do learn: with the authors' small-logit init a few steps already change the mask."""
-    from leapctl.data import calibration_batch
+def test_defaults_learn_from_step_one_and_the_paper_start_does_not(stories260k_dir, tinystories_text):
+    """Issue 12: at the paper's +-3 start the sigmoid is saturated (dM/dP ~ 4.5e-8) and a short run ends on
+    its Wanda start exactly. At the defaults (+-0.5, lr 0.4 / sqrt(steps)) the same 30 steps move the
+    logits, change the mask, lower the training loss, and the pruned model predicts its training text
+    better than with Wanda's mask (noiseless, hard mask, every window of the text)."""
+    from leapctl.data import tokenize_documents
+    from leapctl.learn import leap_masks
+    from leapctl.learn.train import calibration_windows
+    from leapctl.masks import apply_masks
     from leapctl.models import load_model
     from leapctl.prune.wanda import wanda_masks
 
-    config = _config(stories260k_dir, calib_file, tmp_path / "run", steps=6, lr=0.1)
-    learn_masks(config)
-    learned = load_masks(tmp_path / "run" / MASKS_FILE).masks
-    model, tokenizer = load_model(str(stories260k_dir))
-    calib = calibration_batch(str(calib_file), tokenizer, 4, 32, 0)
-    wanda = wanda_masks(model, calib, 0.5, in_place=False, progress=False).masks
-    changed = sum(int((learned[n] != wanda[n]).sum()) for n in wanda)
-    assert changed > 0
+    dense, tokenizer = load_model(str(stories260k_dir))
+    ids = tokenize_documents([tinystories_text], tokenizer)
+    wanda = wanda_masks(copy.deepcopy(dense), calibration_windows(ids, 4, 32, 0), 0.5, in_place=False,
+                        progress=False)
+    windows = ids[: ids.numel() // 32 * 32].view(-1, 32)
+
+    def loss(masks) -> float:
+        model = copy.deepcopy(dense)
+        apply_masks(model, masks)
+        with torch.no_grad():
+            return float(model(input_ids=windows, labels=windows).loss)
+
+    def learn(preset: str):
+        config = LearnConfig(model="stories260k", sparsity=0.5, steps=30, batch_size=4, seq_len=32,
+                             preset=preset, progress=False, save_logits=True)
+        return leap_masks(copy.deepcopy(dense), tokenizer, ids, config, init=wanda)
+
+    paper = learn("paper")
+    assert all(torch.equal(paper.masks[n], wanda.masks[n]) for n in wanda.masks)
+    auto = learn("auto")
+    assert auto.extra["lr"] == pytest.approx(0.4 / math.sqrt(30)) and auto.extra["init_scale"] == 0.5
+    start = torch.cat([torch.where(wanda.masks[n], 0.5, -0.5).flatten() for n in wanda.masks])
+    end = torch.cat([auto.stats["logits"][n].flatten() for n in wanda.masks])
+    assert (end - start).abs().mean() > 0.05
+    changed = sum(int((auto.masks[n] != wanda.masks[n]).sum()) for n in wanda.masks)
+    assert changed > 0.002 * end.numel()
+    lm = [m["lm_loss"] for m in auto.stats["metrics"]]
+    assert sum(lm[-5:]) < sum(lm[:5])
+    assert loss(auto) < 0.9 * loss(wanda)
 
 
 def test_init_masks_file_gives_the_run_that_computing_wanda_gives(stories260k_dir, calib_file, tmp_path):
@@ -408,6 +436,29 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--sparsity", "1.5"], "error: --sparsity must be in (0, 1), got 1.5"),
+        (["--preset", "fast"], "error: --preset must be one of auto, paper, got 'fast'"),
+        (["--distill", "2"], "error: --distill must be in [0, 1], got 2.0"),
+        (["--max-grad-norm", "-1"], "error: --max-grad-norm must be >= 0 (0: no clipping), got -1.0"),
+        (["--calib", "no-such-source"], "error: calibration source 'no-such-source' is neither a built-in"),
+        (["--seq-len", "4096", "--batch-size", "8"], "has 2784 tokens, fewer than the 32768 needed"),
+    ],
+)
+def test_learn_cli_bad_input_is_one_line_exit_2_and_writes_nothing(stories260k_dir, calib_file, tmp_path,
+                                                                     args, expected):
+    out = tmp_path / "run"
+    options = {"--calib": str(calib_file), "--steps": "2", "--seq-len": "32", "--batch-size": "2"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        options[flag] = value
+    proc = _cli(str(stories260k_dir), "--out", str(out), "--no-progress",
+                *[item for pair in options.items() for item in pair], cwd=tmp_path)
+    assert expected in _one_error_line(proc)
+    assert not out.exists() and not Path(f"{out}.learn-state").exists()
+
+
+@pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         ({"sparsity": 1.0}, "--sparsity must be in (0, 1)"),
@@ -438,8 +489,9 @@ def test_resume_refuses_other_settings_and_leaves_the_checkpoint(stories260k_dir
     out = tmp_path / "run"
     config = _config(stories260k_dir, calib_file, out)
     state = config.state_dir()
-    save_checkpoint(state, {"fingerprint": config.fingerprint(), "step": 2})
-    before = (state / "checkpoint.pt").read_bytes()
+    save_checkpoint(state, {"x": torch.zeros(1)}, {"fingerprint": config.fingerprint(False), "step": 2,
+                                                   "generation": 0}, distributed=False)
+    before = {path.name: path.read_bytes() for path in state.rglob("*") if path.is_file()}
     with pytest.raises(LeapctlError, match="pass --resume"):
         learn_masks(config)
     with pytest.raises(LeapctlError, match="other settings.*model"):
@@ -455,7 +507,7 @@ def test_resume_refuses_other_settings_and_leaves_the_checkpoint(stories260k_dir
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"error: --resume: the checkpoint at {state / 'checkpoint.pt'} was made with other settings "
+        f"error: --resume: the checkpoint at {state / 'checkpoint.json'} was made with other settings "
         "(sparsity 0.5 -> 0.6); rerun with the same settings or use --overwrite"
     ]
-    assert (state / "checkpoint.pt").read_bytes() == before
+    assert {path.name: path.read_bytes() for path in state.rglob("*") if path.is_file()} == before

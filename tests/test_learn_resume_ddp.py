@@ -44,7 +44,7 @@ def _start_and_stop_after_checkpoint(command: list[str], state: Path,
     """Start `command`, wait for its first checkpoint, then `stop` it while it still runs."""
     proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (state / "checkpoint.pt").exists():
+    while not (state / "checkpoint.json").exists():
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.02)
@@ -104,7 +104,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bit_for_bit(stories260
     state = Path(f"{out}.learn-state")
     proc = _start_and_stop_after_checkpoint(_learn_command(*args), state, subprocess.Popen.kill)
     assert proc.returncode == -signal.SIGKILL
-    step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
+    step = json.loads((state / "checkpoint.json").read_text())["step"]
     assert 2 <= step < 10 and not out.exists()
     _learn(*args, "--resume")
     _assert_same_run(uninterrupted, out)
@@ -118,7 +118,7 @@ def test_sigterm_checkpoints_and_resume_matches(stories260k_dir, calib, uninterr
     proc = _start_and_stop_after_checkpoint(_learn_command(*args), state, subprocess.Popen.terminate)
     stderr = proc.stderr.read()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
-    step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
+    step = json.loads((state / "checkpoint.json").read_text())["step"]
     assert f"interrupted after step {step}" in stderr and step < 10
     _learn(*args, "--resume")
     _assert_same_run(uninterrupted, out)
@@ -175,15 +175,18 @@ def test_two_gloo_processes_learn_the_same_mask_as_one(
 def test_fsdp2_sigkill_then_resume_matches_an_uninterrupted_fsdp2_run_bit_for_bit(
     stories260k_dir, calib, fsdp_uninterrupted, tmp_path
 ):
-    """The checkpoint holds full (gathered) logits and optimizer state; on resume each rank takes its shard
-    back. With the same two ranks the reduction order is the same as the uninterrupted run's, so the
+    """Each rank writes its shard of the logits and optimizer state (DCP, safetensors) and reads it back on
+    resume. With the same two ranks the reduction order is the same as the uninterrupted run's, so the
     result is identical, not merely close. SIGKILL goes to the launcher and every worker."""
     out = tmp_path / "killed"
     args = [*_args(stories260k_dir, calib, out), "--fsdp"]
     state = Path(f"{out}.learn-state")
     _start_and_stop_after_checkpoint(_torchrun(*args), state, _kill_process_tree)
-    step = torch.load(state / "checkpoint.pt", weights_only=False)["step"]
-    assert 2 <= step < 10 and not out.exists()
+    index = json.loads((state / "checkpoint.json").read_text())
+    assert 2 <= index["step"] < 10 and not out.exists()
+    # sharded: each process wrote its own half of the logits and AdamW moments, nothing else holds them
+    shards = sorted((state / index["folder"]).glob("*.safetensors"))
+    assert len(shards) == 2 and {p.suffix for p in (state / index["folder"]).iterdir()} == {".safetensors"}
     resumed = subprocess.run(_torchrun(*args, "--resume"), env=ENV, capture_output=True, text=True,
                              timeout=600)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]

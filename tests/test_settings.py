@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from leapctl.errors import LeapctlError
 from leapctl.eval.config import EvalConfig
+from leapctl.learn.config import LearnConfig
 from leapctl.prune.config import PruneConfig
 from leapctl.settings import cli_fields, config_command, read_config_file
 
@@ -24,7 +25,7 @@ def _app_capturing(config_cls):
     return app, seen
 
 
-@pytest.mark.parametrize("config_cls", [PruneConfig, EvalConfig])
+@pytest.mark.parametrize("config_cls", [PruneConfig, EvalConfig, LearnConfig])
 def test_every_field_is_an_option_with_its_help(config_cls):
     app, _ = _app_capturing(config_cls)
     result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "400"})
@@ -80,9 +81,28 @@ def test_bad_config_files_are_one_line(tmp_path):
         read_config_file(broken, PruneConfig)
 
 
-def test_missing_required_option_through_the_real_cli(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "leapctl", "prune", "some-model", "--method", "wanda",
-                           "--sparsity", "0.5"], capture_output=True, text=True, timeout=120)
+def test_learn_settings_from_a_file_keep_the_preset_open(tmp_path):
+    """Options a preset fills stay None unless the file or the command line sets them, so `resolved()`
+    can fill them; the three-state flags (--magnitude/--no-magnitude) keep their None."""
+    path = tmp_path / "learn.toml"
+    path.write_text('preset = "paper"\nsteps = 40\nout = "runs/leap"\ndistill = 0.5\n')
+    app, seen = _app_capturing(LearnConfig)
+    result = CliRunner().invoke(app, ["run", "M", "--config", str(path), "--steps", "60", "--no-magnitude"])
+    assert result.exit_code == 0, result.output
+    config = seen[0]
+    assert (config.preset, config.steps, config.distill, config.magnitude_term) == ("paper", 60, 0.5, False)
+    assert config.lr is None and config.alpha_end is None and config.reconstruct is None
+    resolved = config.resolved()
+    paper_lr, paper_alpha_end = 1e-2, 350.0
+    got = (resolved.lr, resolved.alpha_end, resolved.magnitude_term, resolved.distill)
+    assert got == (paper_lr, paper_alpha_end, False, 0.5)
+
+
+@pytest.mark.parametrize("command", [["prune", "some-model", "--method", "wanda", "--sparsity", "0.5"],
+                                     ["learn", "some-model", "--sparsity", "0.5"]])
+def test_missing_required_option_through_the_real_cli(tmp_path, command):
+    done = subprocess.run([sys.executable, "-m", "leapctl", *command], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2
     expected = "error: missing option --out (give it on the command line or in --config FILE)"
     assert done.stderr.strip() == expected

@@ -7,7 +7,10 @@ The density term acts on the global mean of the soft mask over all masked weight
 budget can move between layers. The magnitude term is the authors' scale-free form: the paper writes
 -lambda2 * sum ||M * W||_1, which unnormalised grows with model size and swamps the LM loss; dividing
 by the dense norms makes it a ratio in [0, 1] whatever the model, and the (1 - step / T) factor fades
-it out so the end of training is driven by the LM loss and the budget alone."""
+it out so the end of training is driven by the LM loss and the budget alone.
+
+With distillation (`distill` = d > 0) the LM loss is replaced by (1 - d) * LM loss + d * KL(dense || masked),
+the KL against the logits of the same frozen model with the masks off."""
 
 from dataclasses import dataclass
 
@@ -40,3 +43,13 @@ def regularisers(
     else:
         magnitude_penalty = torch.zeros((), device=density.device)
     return RegulariserTerms(density, density_penalty, magnitude_penalty)
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) on the vocabulary, in float32: the dense model (the
+    same frozen weights with the masks off) is the teacher, the masked model the student. Positions are
+    those the LM loss predicts (all but each sequence's last)."""
+    student = torch.log_softmax(student_logits[:, :-1].float(), dim=-1)
+    teacher = torch.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
+    kl = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)
+    return kl.mean()

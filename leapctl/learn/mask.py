@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 UNIFORM_EPS = 1e-6  # keeps log(u) - log(1-u) finite; caps |g| at about 13.8
@@ -42,14 +43,14 @@ def _chunk_seed(seed: int, chunk: int) -> int:
 def _uniform_cpu(numel: int, seed: int) -> torch.Tensor:
     """U(0, 1) draws in NOISE_CHUNK pieces, each from its own generator, filled on a thread pool: the CPU
     generator (mt19937) is serial, ~10 ns a number. The pieces do not depend on the thread count."""
-    u = torch.empty(numel, dtype=torch.float32)
+    u = torch.empty(numel, dtype=torch.float32, device="cpu")
 
     def fill(chunk: int) -> None:
         generator = torch.Generator()
         generator.manual_seed(_chunk_seed(seed, chunk))
         start = chunk * NOISE_CHUNK
         piece = u[start : start + NOISE_CHUNK]
-        torch.rand(piece.numel(), generator=generator, out=piece)
+        torch.rand(piece.numel(), generator=generator, out=piece, device="cpu")
 
     chunks = range((numel + NOISE_CHUNK - 1) // NOISE_CHUNK)
     threads = torch.get_num_threads()
@@ -148,6 +149,7 @@ class MaskState:
     step: int = 0
     micro_batch: int = 0
     noisy: bool = True
+    enabled: bool = True  # False: the plain dense layers (the distillation teacher's forward)
     compute_dtype: torch.dtype = torch.float32
     track_norms: bool = True  # record ||W * M||_F^2 (the magnitude term needs it)
     recording: bool = False
@@ -178,6 +180,8 @@ class MaskedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.state
+        if not s.enabled:
+            return nn.functional.linear(x, self.weight, self.bias)
         seed = noise_seed(s.run_seed, s.step, s.micro_batch, self.layer_index) if s.noisy else None
         y, mask_sum, norm_sq = MaskedLinearFunction.apply(
             x, self.weight, self.bias, self.mask_logits, s.alpha, s.tau, seed, s.compute_dtype, s.track_norms
@@ -246,44 +250,84 @@ def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
 
 
 def hard_masks(
-    logits: dict[str, torch.Tensor], density: float, mode: str = "global"
+    logits: dict[str, torch.Tensor], density: float, mode: str = "global", group=None
 ) -> dict[str, torch.Tensor]:
     """Boolean keep-masks from trained logits.
 
     `global` (default): exactly round(density * total) weights kept, those with the largest logits over
     all layers together; found by bisection on the float bit patterns, so nothing of model size is
     concatenated or sorted. Ties at the threshold go to the earlier layer, then the lower flat index.
-    `per-layer`: round(density * numel) kept in every layer. `positive` (authors' code): P > 0."""
+    `per-layer`: round(density * numel) kept in every layer, by the same rule. `positive` (authors' code):
+    P > 0.
+
+    With a process `group`, each tensor is this process's shard of its layer: a contiguous block of rows,
+    the shards in rank order (FSDP2's dim-0 sharding). Counts are summed over the group on the logits'
+    device, so every process gets its shard of the same masks one process would get from the full logits."""
     if mode == "positive":
         return {name: p > 0 for name, p in logits.items()}
-    if mode == "per-layer":
-        out = {}
-        for name, p in logits.items():
-            keep = torch.zeros(p.numel(), dtype=torch.bool, device=p.device)
-            keep[torch.topk(p.float().flatten(), round(density * p.numel()), sorted=False).indices] = True
-            out[name] = keep.view_as(p)
-        return out
-    if mode != "global":
+    if mode not in ("global", "per-layer"):
         raise ValueError(f"unknown hard-mask mode {mode!r}")
-    total = sum(p.numel() for p in logits.values())
-    k = round(density * total)
+    names = list(logits)
+    device = next(iter(logits.values())).device
     keys = {name: _sortable_keys(p) for name, p in logits.items()}
-    # largest threshold t with count(key >= t) >= k
-    low, high = -(2**31), 2**31 - 1
-    while low < high:
+    sizes = _group_sum(torch.tensor([logits[n].numel() for n in names], device=device), group)
+    if mode == "global":
+        members = [list(range(len(names)))]
+        keep_counts = [round(density * int(sizes.sum()))]
+    else:
+        members = [[i] for i in range(len(names))]
+        keep_counts = [round(density * int(size)) for size in sizes]
+    k = torch.tensor(keep_counts, device=device)
+
+    def counts(threshold: torch.Tensor, strict: bool) -> torch.Tensor:
+        """Per set of layers: how many keys lie above (strict) or at or above `threshold`."""
+        local = torch.stack([
+            sum(((keys[names[i]] > threshold[g]) if strict else (keys[names[i]] >= threshold[g])).sum()
+                for i in layers)
+            for g, layers in enumerate(members)
+        ])
+        return _group_sum(local, group)
+
+    # per set: the largest threshold t with count(key >= t) >= k, all sets bisected together
+    low = torch.full((len(members),), -(2**31), dtype=torch.long, device=device)
+    high = torch.full((len(members),), 2**31 - 1, dtype=torch.long, device=device)
+    while bool((low < high).any()):
         mid = (low + high + 1) // 2
-        if sum(int((key >= mid).sum()) for key in keys.values()) >= k:
-            low = mid
-        else:
-            high = mid - 1
-    threshold = low
+        enough = counts(mid, strict=False) >= k
+        low = torch.where(enough, mid, low)
+        high = torch.where(enough, high, mid - 1)
+    remaining = (k - counts(low, strict=True)).tolist()
+    # ties at the threshold, in layer order and within a layer in rank (row) order
+    ties = torch.stack([(keys[names[i]] == low[g]).sum() for g, layers in enumerate(members) for i in layers])
+    every = _group_gather(ties, group)  # [processes, layers]
+    rank = dist.get_rank(group) if group is not None else 0
     out = {}
-    remaining_ties = k - sum(int((key > threshold).sum()) for key in keys.values())
-    for name, key in keys.items():
-        keep = key > threshold
-        if remaining_ties > 0:
-            ties = (key == threshold).flatten().nonzero().flatten()[:remaining_ties]
-            keep.view(-1)[ties] = True
-            remaining_ties -= ties.numel()
-        out[name] = keep
+    position = 0
+    for g, layers in enumerate(members):
+        for i in layers:
+            key = keys[names[i]]
+            keep = key > low[g]
+            before = int(every[:rank, position].sum())
+            take = max(0, min(int(every[rank, position]), remaining[g] - before))
+            if take:
+                chosen = (key == low[g]).flatten().nonzero().flatten()[:take]
+                keep.view(-1)[chosen] = True
+            remaining[g] = max(0, remaining[g] - int(every[:, position].sum()))
+            out[names[i]] = keep
+            position += 1
     return out
+
+
+def _group_sum(values: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        values = values.clone()
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def _group_gather(values: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return values.unsqueeze(0)
+    parts = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, values, group=group)
+    return torch.stack(parts)

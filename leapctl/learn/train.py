@@ -1,14 +1,24 @@
 """The LEAP training loop, readable top to bottom (in the manner of nanoGPT's train.py).
 
-One process, or N under `torchrun` (DDP, or FSDP2 with `fsdp=True`). Only the mask logits train; the
-model's weights are frozen. Each optimizer step takes `batch_size` fresh windows from the stream, split
-into micro-batches of `micro_batch_size`; process r handles the r-th contiguous share of the micro-batches.
-Every micro-batch draws its own mask noise from (seed, step, global micro-batch index, layer), so the
-single-process run and an N-process run see the same noise on the same windows and differ only by the
-order of floating-point sums (see the README's DDP note).
+`leap_masks(model, tokenizer, corpus, config)` is the loop itself, callable in memory like the one-shot
+methods: it learns the mask logits of `model`'s prunable linears (the weights stay frozen), takes the hard
+mask, zeros the pruned weights (and, with `reconstruct`, refits the kept ones) and returns the `MaskSet`.
+`learn_masks(config)` is `leapctl learn`: start the processes, load the model, tokenise the corpus once
+into the state folder, call `leap_masks`, write the run folder.
+
+One process, or N under `torchrun` (DDP, or FSDP2 with `fsdp=True`). Each optimizer step takes `batch_size`
+fresh windows from the stream, split into micro-batches of `micro_batch_size`; process r handles the r-th
+contiguous share of the micro-batches. Every micro-batch draws its own mask noise from (seed, step, global
+micro-batch index, layer), so the single-process run and an N-process run see the same noise on the same
+windows and differ only by the order of floating-point sums (see the README's DDP note).
+
+GPU discipline: every tensor handed to a collective lives on the training device; the loss terms are summed
+on the device and read back once per step (one host sync); the optimizer state comes back through
+`Optimizer.load_state_dict`; checkpoints are sharded DCP safetensors without pickle (`checkpoint.py`).
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -16,8 +26,9 @@ import random
 import resource
 import shutil
 import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,29 +37,43 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers.utils import logging as transformers_logging
 
+from leapctl.compute import resolve_device
 from leapctl.data import calibration_batch, corpus_ids
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
-    CHECKPOINT_FILE,
-    load_checkpoint,
+    has_checkpoint,
+    load_tensors,
+    read_checkpoint,
     restore_rng_states,
     rng_states,
     save_checkpoint,
 )
-from leapctl.learn.config import LearnConfig
-from leapctl.learn.loss import regularisers
+from leapctl.learn.config import PRESET_VALUES, LearnConfig
+from leapctl.learn.loss import distillation_kl, regularisers
 from leapctl.learn.mask import MaskState, attach_masks, detach_masks, hard_masks, init_logits, soft_mask
 from leapctl.learn.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
-from leapctl.learn.stream import WindowStream
-from leapctl.masks import MaskSet, load_masks
-from leapctl.models import decoder_blocks, load_model, model_layout, prunable_linears
+from leapctl.learn.stream import WindowStream, open_token_file, write_token_file
+from leapctl.masks import MaskSet, apply_masks, load_masks, save_masks
+from leapctl.models import load_model, model_layout
 from leapctl.outdir import atomic_output_dir, check_output_dir
 from leapctl.runs import LOGITS_FILE, mask_source, save_run
 
 METRICS_FILE = "metrics.jsonl"
+INIT_MASKS_FILE = "init_masks.safetensors"  # the initial keep-masks, computed once and read by every process
 # An initial mask may miss the target a little (Wanda keeps whole-row counts: 0.595 at 60%); the density
 # term and the exact final top-k take care of that, but a mask for another target is a mistake.
 INIT_MASKS_SPARSITY_SLACK = 0.02
+# The per-step numbers summed on the device over micro-batches (and processes), read back once per step.
+SUMMED = ("lm_loss", "kl", "density", "density_penalty", "magnitude_penalty", "loss")
+
+
+@dataclass
+class LearnedMasks(MaskSet):
+    """The `MaskSet` that `leap_masks` returns, with how the run went: `stats` holds the resolved settings,
+    the per-step metrics of this process's steps, timing and peak memory (and the final logits with
+    `save_logits`)."""
+
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -59,16 +84,27 @@ class LearnResult:
     state_dir: Path | None = None
 
 
-class _StopFlag:
-    """SIGTERM / SIGINT only raise a flag; the loop checkpoints at the end of the current step and stops."""
+class LearnInterrupted(Exception):
+    """SIGTERM or SIGINT stopped `leap_masks` after it wrote a checkpoint; `--resume` continues."""
 
-    def __init__(self):
+    def __init__(self, steps_done: int, signal_number: int, state_dir: Path | None):
+        super().__init__(f"interrupted by signal {signal_number} after step {steps_done}")
+        self.steps_done, self.signal_number, self.state_dir = steps_done, signal_number, state_dir
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT only raise a flag; the loop checkpoints at the end of the current step and stops.
+    Installed only where there is a checkpoint to write and only from the main thread."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.signal = 0
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._raise)
+        if self.enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._raise)
         return self
 
     def _raise(self, signum, frame):
@@ -79,252 +115,301 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
+# ==================================================================================== leapctl learn
+
+
 def learn_masks(config: LearnConfig) -> LearnResult:
     """Learn a LEAP mask as `config` says; writes the run folder (rank 0) and returns where."""
-    # ---------------------------------------------------------------- processes and devices
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world)
-    if config.device == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device_type = torch.device(config.device).type
-    if distributed and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    master = rank == 0
-    if device_type == "cuda":
-        if distributed:
-            index = int(os.environ.get("LOCAL_RANK", "0"))
-        else:
-            index = 0 if config.device == "auto" else torch.device(config.device).index or 0
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    use_autocast = config.autocast if config.autocast is not None else device_type == "cuda"
-    compute_dtype = torch.bfloat16 if use_autocast else torch.float32
-    logits_dtype = getattr(torch, config.logits_dtype)
+    if config.out is None:
+        raise LeapctlError("learn needs --out")
+    device = _start_processes(config, world)
+    distributed = world > 1
+    master = not distributed or dist.get_rank() == 0
+    state_dir = config.state_dir()
 
     # ---------------------------------------------------------------- refuse bad starts before any work
-    state_dir = config.state_dir()
     check_output_dir(Path(config.out), config.overwrite)
-    has_checkpoint = (state_dir / CHECKPOINT_FILE).is_file()
     if config.resume:
-        resumed = load_checkpoint(state_dir, config.fingerprint())
-    else:
-        if has_checkpoint and not config.overwrite:
-            raise LeapctlError(
-                f"an unfinished run's checkpoint exists in {state_dir}: pass --resume to continue "
-                f"it or --overwrite to start over"
-            )
-        resumed = None
+        read_checkpoint(state_dir, config.fingerprint(_autocast(config, device)))
+    elif has_checkpoint(state_dir) and not config.overwrite:
+        raise LeapctlError(
+            f"an unfinished run's checkpoint exists in {state_dir}: pass --resume to continue "
+            f"it or --overwrite to start over"
+        )
     _barrier(distributed)
     if master and not config.resume and state_dir.exists():
         shutil.rmtree(state_dir)  # --overwrite: the old run is given up only now that the new one is valid
     _barrier(distributed)
 
-    # ---------------------------------------------------------------- model (frozen) and data
+    # ---------------------------------------------------------------- model, token stream, initial mask
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
+    model, tokenizer = load_model(config.model, device=device)
+    if not config.resume:
+        if master:
+            write_token_file(state_dir, training_corpus(config, model, tokenizer))
+        _barrier(distributed)
+    corpus = open_token_file(state_dir)
+    init = None
+    if not config.resume and config.init != "random" and config.init_masks is None:
+        # Wanda on `nsamples` windows of the calibration source, as `leapctl prune --method wanda` computes it
+        if master:
+            calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+                                      model=model)
+            init = _wanda(model, calib, config, device)
+            if distributed:
+                save_masks(state_dir / INIT_MASKS_FILE, init)
+        _barrier(distributed)
+        if not master:
+            init = load_masks(state_dir / INIT_MASKS_FILE)
+
+    try:
+        learned = leap_masks(model, tokenizer, corpus, config, init=init)
+    except LearnInterrupted as stop:
+        _shutdown(distributed)
+        return LearnResult(out=None, steps_done=stop.steps_done, interrupted_by=stop.signal_number,
+                           state_dir=state_dir)
+
+    # ---------------------------------------------------------------- the run folder
+    if master:
+        if distributed and config.fsdp:  # the trained model is sharded: rank 0 prunes a fresh copy
+            model, _ = load_model(config.model, device=device)
+            finish_weights(model, learned, corpus, config)
+        model = model.to("cpu").eval()
+        metrics = [json.loads(line) for line in (state_dir / METRICS_FILE).read_text().splitlines() if line]
+        report = _report(config, learned.stats, metrics)
+        with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
+            from leapctl.learn.plots import plot_density_per_block, plot_losses
+
+            block_density = _density_per_block(model, learned.masks)
+            report["density_per_block"] = block_density
+            save_run(tmp, model, tokenizer, learned, report)
+            shutil.copy(state_dir / METRICS_FILE, tmp / METRICS_FILE)
+            plot_density_per_block(block_density, config.density, tmp / "density_per_block.png")
+            plot_losses(metrics, tmp / "loss.png")
+            if config.save_logits:
+                save_file(learned.stats["logits"], str(tmp / LOGITS_FILE))
+        if not config.keep_checkpoint:
+            shutil.rmtree(state_dir, ignore_errors=True)
+    _shutdown(distributed)
+    return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=state_dir)
+
+
+def _start_processes(config: LearnConfig, world: int) -> torch.device:
+    """The training device, and under torchrun the process group: one backend per device type (gloo for
+    CPU tensors, NCCL for CUDA ones), so a collective works wherever its tensor lives."""
+    named = resolve_device(config.device)  # the one resolver: cpu, or cuda:N checked to exist
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if named.type == "cuda" else "gloo")
+    if named.type != "cuda":
+        return named
+    # Under torchrun each process takes its local rank's GPU whatever --device names.
+    index = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else named.index
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def training_corpus(config: LearnConfig, model, tokenizer) -> torch.Tensor:
+    """The token stream for training. A text source must hold at least one global batch; `generated`
+    samples `calib_tokens` tokens (default: one pass of the whole run, capped at 1M)."""
+    one_batch = config.batch_size * config.seq_len
+    if config.calib == "generated":
+        wanted = config.calib_tokens or min(config.steps * one_batch, 1 << 20)
+        ids = corpus_ids("generated", tokenizer, model=model, seed=config.seed + 1,
+                         min_tokens=max(wanted, one_batch), generated_seq_len=config.seq_len)
+    else:
+        ids = corpus_ids(config.calib, tokenizer, model=model, seed=config.seed, min_tokens=one_batch)
+        if config.calib_tokens:
+            ids = ids[: max(config.calib_tokens, one_batch)]
+    return ids.cpu()
+
+
+# ==================================================================================== the loop
+
+
+def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
+               init: MaskSet | None = None) -> LearnedMasks:
+    """Learn a LEAP mask for `model` (on its device, weights frozen) and return it; the model ends pruned
+    in place (zeros, and refit kept weights with `reconstruct`), except under FSDP2, where it stays sharded
+    and `finish_weights` prunes a fresh copy.
+
+    `corpus`: the training token stream (1-D ids, a tensor or a memory-mapped array) or a calibration
+    source name (`wiki-summaries`, a file, `generated`, ...) that `tokenizer` turns into one.
+    `init`: the keep-mask the logits start from; by default Wanda on `nsamples` windows of the corpus (or
+    `config.init_masks`, or random for `init="random"`). With `config.resume` the state comes from the
+    checkpoint instead. Under an initialised process group every process calls this with the same corpus.
+    Raises `LearnInterrupted` when SIGTERM/SIGINT stopped it (after a checkpoint)."""
+    config = config.resolved()
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    config.validate(world)
+    master = rank == 0
+    device = next(model.parameters()).device
+    use_autocast = _autocast(config, device)
+    compute_dtype = torch.bfloat16 if use_autocast else torch.float32
+    state_dir = config.state_dir()
+    meta = read_checkpoint(state_dir, config.fingerprint(use_autocast)) if config.resume else None
+    if isinstance(corpus, str):
+        corpus = training_corpus(dataclasses.replace(config, calib=corpus), model, tokenizer)
+    if meta is not None and meta["tokens"] != len(corpus):
+        raise LeapctlError(f"--resume: the checkpoint was trained on {meta['tokens']} tokens, the token "
+                           f"stream holds {len(corpus)}")
+
+    # ---------------------------------------------------------------- frozen model, logits, stream
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     np.random.seed(config.seed)
-    model, tokenizer = load_model(config.model, device=device)
     model.requires_grad_(False)
-    linears = prunable_linears(model, config.include, config.exclude)
+    layout = model_layout(model, config.include, config.exclude)
+    linears = layout.linears
     weight_names = [f"{name}.weight" for name in linears]
     total_weights = sum(linear.weight.numel() for linear in linears.values())
-    dense_norm_sum = sum(float(linear.weight.float().norm()) for linear in linears.values())
-
-    if resumed is not None:
-        corpus = resumed["corpus"]
+    dense_norm_sum = float(sum(linear.weight.float().norm() for linear in linears.values()))
+    stream = WindowStream(corpus, config.seq_len, config.batch_size, config.seed,
+                          position=meta["data_position"] if meta else 0)
+    logits_dtype = getattr(torch, config.logits_dtype)
+    if meta is not None:
+        logits = {name: torch.zeros(linears[name[: -len(".weight")]].weight.shape, dtype=logits_dtype,
+                                    device=device) for name in weight_names}  # filled from the checkpoint
     else:
-        corpus = _broadcast_object(
-            _build_corpus(config, model, tokenizer, device) if master else None, distributed
-        )
-    stream = WindowStream(
-        corpus,
-        config.seq_len,
-        config.batch_size,
-        config.seed,
-        position=resumed["data_position"] if resumed else 0,
-    )
-
-    # ---------------------------------------------------------- logits: from Wanda, or from the checkpoint
-    if resumed is not None:
-        logits = {
-            name: resumed["logits"][name].to(device=device, dtype=logits_dtype) for name in weight_names
-        }
-    else:
-        keep = _initial_keep_masks(config, model, tokenizer, linears, device) if master else None
-        keep = _broadcast_object(keep, distributed)
+        keep = _initial_keep(model, corpus, config, linears, init, device)
         generator = torch.Generator().manual_seed(config.seed)
-        logits = {
-            name: t.to(device)
-            for name, t in init_logits(keep, config.init, config.init_scale, generator, logits_dtype).items()
-        }
-    mask_state = MaskState(
-        run_seed=config.seed,
-        compute_dtype=compute_dtype,
-        track_norms=config.magnitude_term and config.lambda2 != 0,
-    )
+        start = init_logits(keep, config.init, config.init_scale, generator, logits_dtype)
+        logits = {name: t.to(device) for name, t in start.items()}
+    mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype,
+                           track_norms=config.magnitude_term and config.lambda2 != 0)
     masked = attach_masks(model, linears, logits, mask_state)
 
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     train_model = model
-    if distributed and config.fsdp:
+    sharded = distributed and config.fsdp
+    if sharded:
         from torch.distributed.fsdp import fully_shard
 
-        for block in decoder_blocks(model):
+        for block in layout.blocks:
             fully_shard(block)
         fully_shard(model)
     elif distributed:
         train_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device_type == "cuda" else None
+            model, device_ids=[device] if device.type == "cuda" else None
         )
 
-    # ---------------------------------------------------------------- optimizer and schedules
+    # ---------------------------------------------------------------- optimizer, schedules, resume
     logit_params = [layer.mask_logits for layer in masked.values()]  # after fully_shard made them shards
     optimizer = torch.optim.AdamW(  # fused: one kernel over all logits, ~5x faster than the loop on CPU
-        logit_params,
-        lr=config.lr,
-        betas=(config.beta1, config.beta2),
-        weight_decay=config.weight_decay,
+        logit_params, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay,
         fused=True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(config.warmup_steps, config.steps)
-    )
-    start_step = 0
-    if resumed is not None:
-        _load_training_state(model, optimizer, resumed, weight_names, masked)
-        scheduler.load_state_dict(resumed["scheduler"])
-        restore_rng_states(resumed["rng"])
-        start_step = resumed["step"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  cosine_with_warmup(config.warmup_steps, config.steps))
+    start_step, generation = 0, 0
+    if meta is not None:
+        _restore(state_dir, meta, weight_names, masked, optimizer, distributed)
+        scheduler.load_state_dict(meta["scheduler"])
+        restore_rng_states(meta["rng"])
+        start_step, generation = meta["step"], meta["generation"] + 1
 
     micro = config.micro_batch_size or config.batch_size // world
     micro_total = config.batch_size // micro
     micro_local = micro_total // world
     my_micro_batches = range(rank * micro_local, (rank + 1) * micro_local)
     tokens_per_step = config.batch_size * config.seq_len
-    metrics_path = state_dir / METRICS_FILE
-    if master:
+    metrics_path = state_dir / METRICS_FILE if state_dir is not None else None
+    if master and metrics_path is not None:
         state_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_path, start_step)
-    if use_autocast:
-        autocast = torch.autocast(device_type, dtype=torch.bfloat16)
-    else:
-        autocast = contextlib.nullcontext()
-    if device_type == "cuda":
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    writer = _tensorboard_writer(state_dir) if master else None
+    writer = _tensorboard_writer(state_dir) if master and state_dir is not None else None
 
     def checkpoint_now(next_step: int) -> None:
-        state = _gather_training_state(model, optimizer, weight_names, masked)
-        if master:
-            save_checkpoint(
-                state_dir,
-                {
-                    "fingerprint": config.fingerprint(),
-                    "step": next_step,
-                    "data_position": stream.position,
-                    "logits": state["logits"],
-                    "optimizer": state["optimizer"],
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rng_states(),
-                    "corpus": corpus,
-                },
-            )
-        _barrier(distributed)
+        save_checkpoint(state_dir, _checkpoint_tensors(weight_names, masked, optimizer), {
+            "fingerprint": config.fingerprint(use_autocast),
+            "step": next_step,
+            "generation": generation,
+            "data_position": stream.position,
+            "scheduler": scheduler.state_dict(),
+            "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                             for group in optimizer.param_groups],
+            "rng": rng_states(),
+            "tokens": len(corpus),
+        }, distributed)
 
     # ---------------------------------------------------------------- the loop
+    metrics: list[dict] = []
     interrupted = 0
+    done = start_step
     run_start = time.perf_counter()
-    with _StopFlag() as stop, _progress_bar(master and config.progress, config.steps, start_step) as bar:
+    with _StopFlag(state_dir is not None) as stop, _single_sequences(), \
+            _progress_bar(master and config.progress, config.steps, start_step) as bar:
         for step in range(start_step, config.steps):
             step_start = time.perf_counter()
-            alpha, tau = mask_temperature(
-                step,
-                config.steps,
-                (config.alpha_start, config.alpha_end),
-                (config.tau_start, config.tau_end),
-                config.fixed_alpha,
-                config.fixed_tau,
-            )
+            alpha, tau = mask_temperature(step, config.steps, (config.alpha_start, config.alpha_end),
+                                          (config.tau_start, config.tau_end), config.fixed_alpha,
+                                          config.fixed_tau)
             mask_state.alpha, mask_state.tau = alpha, tau
             decay = magnitude_decay(step, config.steps) if config.magnitude_term else 0.0
             batch = stream.peek(0, config.batch_size)
-            sums = torch.zeros(
-                5, dtype=torch.float64
-            )  # lm loss, density, density pen., magnitude pen., total
+            sums = torch.zeros(len(SUMMED), dtype=torch.float64, device=device)
             for position, micro_batch in enumerate(my_micro_batches):
-                ids = batch[micro_batch * micro : (micro_batch + 1) * micro].to(device)
-                mask_state.start_micro_batch(step, micro_batch)
+                ids = batch[micro_batch * micro : (micro_batch + 1) * micro].to(device, non_blocking=True)
                 last = position == micro_local - 1
                 with _no_gradient_sync(train_model, model, distributed and not last, config.fsdp), autocast:
-                    lm_loss = train_model(input_ids=ids, labels=ids, use_cache=False).loss.float()
-                    terms = regularisers(
-                        mask_state.mask_sums,
-                        mask_state.masked_norms_sq,
-                        total_weights,
-                        dense_norm_sum,
-                        config.density,
-                        config.lambda1,
-                        config.lambda2,
-                        decay,
-                    )
-                    loss = lm_loss + terms.density_penalty + terms.magnitude_penalty
+                    teacher = None
+                    if config.distill:
+                        with torch.no_grad():  # the same frozen model with the masks off
+                            mask_state.enabled = False
+                            teacher = model(input_ids=ids, use_cache=False).logits
+                            mask_state.enabled = True
+                    mask_state.start_micro_batch(step, micro_batch)
+                    out = train_model(input_ids=ids, labels=ids, use_cache=False)
+                    lm_loss = out.loss.float()
+                    kl = (distillation_kl(out.logits, teacher) if teacher is not None
+                          else torch.zeros_like(lm_loss))
+                    del out, teacher
+                    terms = regularisers(mask_state.mask_sums, mask_state.masked_norms_sq, total_weights,
+                                         dense_norm_sum, config.density, config.lambda1, config.lambda2,
+                                         decay)
+                    task = (1.0 - config.distill) * lm_loss + config.distill * kl
+                    loss = task + terms.density_penalty + terms.magnitude_penalty
                     mask_state.recording = False  # checkpoint recomputation in backward must not record
                     (loss / micro_local).backward()
-                sums += torch.tensor(
-                    [
-                        lm_loss.item(),
-                        terms.density.item(),
-                        terms.density_penalty.item(),
-                        terms.magnitude_penalty.item(),
-                        loss.item(),
-                    ],
-                    dtype=torch.float64,
-                )
+                sums += torch.stack([lm_loss, kl, terms.density, terms.density_penalty,
+                                     terms.magnitude_penalty, loss]).detach().double()
+            grad_norm = _clip_gradients(logit_params, config.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             stream.advance(config.batch_size)
 
+            flag = torch.tensor([stop.signal], dtype=torch.float64, device=device)
             if distributed:
                 dist.all_reduce(sums)
-                flag = torch.tensor([stop.signal], dtype=torch.int64)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop.signal = int(flag)
-            sums /= micro_total
+            host = torch.cat([sums / micro_total, grad_norm.reshape(1).double(), flag]).tolist()  # the sync
+            stop.signal = int(host[-1])
             elapsed = time.perf_counter() - step_start
-            record = {
-                "step": step,
-                "lm_loss": sums[0].item(),
-                "density": sums[1].item(),
-                "density_penalty": sums[2].item(),
-                "magnitude_penalty": sums[3].item(),
-                "loss": sums[4].item(),
-                "alpha": alpha,
-                "tau": tau,
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_s": tokens_per_step / elapsed,
-                "step_s": elapsed,
-            }
+            record = {"step": step, **dict(zip(SUMMED, host, strict=False)), "grad_norm": host[-2],
+                      "alpha": alpha, "tau": tau, "lr": scheduler.get_last_lr()[0],
+                      "tokens_per_s": tokens_per_step / elapsed, "step_s": elapsed}
+            metrics.append(record)
             if master:
-                with open(metrics_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+                if metrics_path is not None:
+                    with open(metrics_path, "a") as handle:
+                        handle.write(json.dumps(record) + "\n")
                 if writer is not None:
                     for key, value in record.items():
                         writer.add_scalar(f"learn/{key}", value, step)
                 bar.update(record)
 
             done = step + 1
-            if stop.signal or (
-                config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps
-            ):
+            if state_dir is not None and (stop.signal or (
+                    config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps)):
                 checkpoint_now(done)
             if stop.signal:
                 interrupted = stop.signal
@@ -333,43 +418,75 @@ def learn_masks(config: LearnConfig) -> LearnResult:
     if writer is not None:
         writer.close()
     if interrupted:
-        _shutdown(distributed)
-        return LearnResult(out=None, steps_done=done, interrupted_by=interrupted, state_dir=state_dir)
+        raise LearnInterrupted(done, interrupted, state_dir)
 
-    # ---------------------------------------------------------------- the hard mask and the run folder
-    final = _gather_training_state(model, optimizer, weight_names, masked, with_optimizer=False)["logits"]
-    out = None
-    if master:
-        keep = hard_masks(final, config.density, config.hard_mask)
-        model_cpu = _plain_model(model, masked, distributed and config.fsdp, config)
-        mask_set = MaskSet(
-            masks={name: keep[name].cpu() for name in weight_names},
-            model=config.model,
-            extra={"method": "leap", "target_sparsity": config.sparsity, "hard_mask": config.hard_mask},
-        )
-        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-        report = _report(
-            config, world, device, metrics, train_seconds, start_step, total_weights, final, mask_state
-        )
-        with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
-            from leapctl.learn.plots import plot_density_per_block, plot_losses
+    # ---------------------------------------------------------------- the hard mask, the pruned model
+    final = {name: layer.mask_logits.detach()
+             for name, layer in zip(weight_names, masked.values(), strict=True)}
+    local = {name: (p.to_local() if hasattr(p, "to_local") else p) for name, p in final.items()}
+    keep = hard_masks(local, config.density, config.hard_mask, group=dist.group.WORLD if sharded else None)
+    masks = {name: _full_cpu(keep[name].to(torch.uint8), final[name]).bool() for name in weight_names}
+    stats = {
+        "settings": config.fingerprint(use_autocast),
+        "world_size": world,
+        "device": str(device),
+        "resumed_at_step": start_step or None,
+        "train_seconds_this_process": train_seconds,
+        "tokens_per_s": ((config.steps - start_step) * tokens_per_step / train_seconds
+                         if train_seconds else None),
+        "peak_memory": _peak_memory(device),
+        "final_soft_density_noiseless": _soft_density(final, mask_state, total_weights, sharded),
+        "masked_weights": total_weights,
+        "metrics": metrics,
+    }
+    if config.save_logits:
+        stats["logits"] = {name: _full_cpu(p, p).float().contiguous() for name, p in final.items()}
+    if not sharded:
+        model.gradient_checkpointing_disable()
+        detach_masks(model, masked)
+        model.eval()
+    learned = LearnedMasks(
+        masks=masks, model=str(getattr(model, "name_or_path", config.model)),
+        extra={"method": "leap", "target_sparsity": config.sparsity, "hard_mask": config.hard_mask,
+               "preset": config.preset, "steps": config.steps, "batch_size": config.batch_size,
+               "seq_len": config.seq_len,
+               **{key: getattr(config, key) for key in PRESET_VALUES[config.preset]}},
+        stats=stats,
+    )
+    if not sharded:
+        finish_weights(model, learned, corpus, config)
+    return learned
 
-            block_density = _density_per_block(model_cpu, keep)
-            report["density_per_block"] = block_density
-            save_run(tmp, model_cpu, tokenizer, mask_set, report)
-            shutil.copy(metrics_path, tmp / METRICS_FILE)
-            plot_density_per_block(block_density, config.density, tmp / "density_per_block.png")
-            plot_losses(metrics, tmp / "loss.png")
-            if config.save_logits:
-                save_file({name: t.float().contiguous() for name, t in final.items()}, str(tmp / LOGITS_FILE))
-        out = Path(config.out)
-        if not config.keep_checkpoint:
-            shutil.rmtree(state_dir, ignore_errors=True)
-    _shutdown(distributed)
-    return LearnResult(out=out, steps_done=config.steps, state_dir=state_dir)
+
+def finish_weights(model: torch.nn.Module, masks: MaskSet, corpus, config: LearnConfig) -> None:
+    """Zero the pruned weights of the (dense, plain) `model`; with `reconstruct`, first refit the kept ones
+    by least squares on `nsamples` windows of the corpus (`reconstruct.py`)."""
+    config = config.resolved()
+    if config.reconstruct:
+        from leapctl.learn.reconstruct import reconstruct_weights
+
+        calib = calibration_windows(corpus, config.nsamples, config.seq_len, config.seed)
+        reconstruct_weights(model, masks, calib, device=next(model.parameters()).device,
+                            progress=config.progress)
+    apply_masks(model, masks)
+
+
+def calibration_windows(corpus, nsamples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`nsamples` windows of `seq_len` tokens of the corpus at seeded random starts: the windows
+    `leapctl.data.sample_windows` cuts from the same stream with the same seed."""
+    array = corpus.numpy() if torch.is_tensor(corpus) else corpus
+    if array.shape[0] < seq_len + 1:
+        raise LeapctlError(f"the corpus has {array.shape[0]} tokens; windows of {seq_len} need {seq_len + 1}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, array.shape[0] - seq_len, (nsamples,), generator=generator).numpy()
+    return torch.from_numpy(np.stack([array[s : s + seq_len] for s in starts]).astype(np.int64))
 
 
 # ------------------------------------------------------------ helpers, in the order the loop uses them
+
+
+def _autocast(config: LearnConfig, device: torch.device) -> bool:
+    return config.autocast if config.autocast is not None else device.type == "cuda"
 
 
 def _barrier(distributed: bool) -> None:
@@ -383,39 +500,22 @@ def _shutdown(distributed: bool) -> None:
         dist.destroy_process_group()
 
 
-def _broadcast_object(obj, distributed: bool):
-    """Rank 0's object on every rank (the corpus and the initial keep-masks are built once)."""
-    if not distributed:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+def _wanda(model, calib: torch.Tensor, config: LearnConfig, device) -> MaskSet:
+    from leapctl.prune.wanda import wanda_masks
+
+    was_training = model.training
+    model.eval()
+    mask_set = wanda_masks(model, calib, config.sparsity, include=config.include, exclude=config.exclude,
+                           device=device, in_place=False, progress=config.progress)
+    model.train(was_training)
+    return mask_set
 
 
-def _build_corpus(config: LearnConfig, model, tokenizer, device) -> torch.Tensor:
-    """The token stream for training. A text source must hold at least one global batch; `generated`
-    samples `calib_tokens` tokens (default: one pass of the whole run, capped at 1M)."""
-    one_batch = config.batch_size * config.seq_len
-    if config.calib == "generated":
-        wanted = config.calib_tokens or min(config.steps * one_batch, 1 << 20)
-        ids = corpus_ids(
-            "generated",
-            tokenizer,
-            model=model,
-            seed=config.seed + 1,
-            min_tokens=max(wanted, one_batch),
-            generated_seq_len=config.seq_len,
-        )
-    else:
-        ids = corpus_ids(config.calib, tokenizer, model=model, seed=config.seed, min_tokens=one_batch)
-        if config.calib_tokens:
-            ids = ids[: max(config.calib_tokens, one_batch)]
-    return ids.cpu()
-
-
-def _initial_keep_masks(config: LearnConfig, model, tokenizer, linears, device) -> dict[str, torch.Tensor]:
-    """The keep-mask the logits start from: Wanda at the target sparsity, or random for the ablation."""
-    if config.init == "random":
+def _initial_keep(model, corpus, config: LearnConfig, linears, init: MaskSet | None,
+                  device) -> dict[str, torch.Tensor]:
+    """The keep-mask the logits start from, in the model's layer order (initialisers draw noise layer by
+    layer): `init`, else the mask file, else random (ablation), else Wanda on windows of the corpus."""
+    if init is None and config.init == "random":
         generator = torch.Generator().manual_seed(config.seed)
         keep = {}
         for name, linear in linears.items():
@@ -424,59 +524,88 @@ def _initial_keep_masks(config: LearnConfig, model, tokenizer, linears, device) 
             flat[torch.randperm(n, generator=generator)[: round(config.density * n)]] = True
             keep[f"{name}.weight"] = flat.view_as(linear.weight)
         return keep
-    if config.init_masks is not None:
-        return _keep_masks_from_file(Path(config.init_masks), linears, config.sparsity)
-    from leapctl.prune.wanda import wanda_masks
-
-    calib = calibration_batch(
-        config.calib, tokenizer, config.nsamples, config.seq_len, config.seed, model=model
-    )
-    was_training = model.training
-    model.eval()
-    mask_set = wanda_masks(
-        model,
-        calib,
-        config.sparsity,
-        include=config.include,
-        exclude=config.exclude,
-        device=device,
-        in_place=False,
-        progress=config.progress,
-    )
-    model.train(was_training)
-    return mask_set.masks
+    origin = "the initial mask"
+    if init is None and config.init_masks is not None:
+        init, origin = load_masks(mask_source(Path(config.init_masks))), f"--init-masks {config.init_masks}"
+    if init is None:
+        calib = calibration_windows(corpus, config.nsamples, config.seq_len, config.seed)
+        init = _wanda(model, calib, config, device)
+    return _checked_keep(init, linears, config.sparsity, origin)
 
 
-def _keep_masks_from_file(path: Path, linears, sparsity: float) -> dict[str, torch.Tensor]:
-    """Masks of an earlier run (say `prune --method wanda` or `sparsegpt`), so the initialiser is not
+def _checked_keep(mask_set: MaskSet, linears, sparsity: float, origin: str) -> dict[str, torch.Tensor]:
+    """The masks of an earlier run (say `prune --method wanda` or `sparsegpt`), so the initialiser is not
     computed twice; they must cover exactly the layers being learned, near the target sparsity."""
-    mask_set = load_masks(mask_source(path))
     expected = {f"{name}.weight": tuple(linear.weight.shape) for name, linear in linears.items()}
     if set(mask_set.masks) != set(expected):
         missing = sorted(set(expected) - set(mask_set.masks))
         extra = sorted(set(mask_set.masks) - set(expected))
-        raise LeapctlError(f"--init-masks {path} does not cover the learned layers "
+        raise LeapctlError(f"{origin} does not cover the learned layers "
                            f"(missing {missing[:2]}, extra {extra[:2]})")
     for name, shape in expected.items():
         if tuple(mask_set.masks[name].shape) != shape:
-            raise LeapctlError(f"--init-masks {path}: {name} has shape {tuple(mask_set.masks[name].shape)}, "
+            raise LeapctlError(f"{origin}: {name} has shape {tuple(mask_set.masks[name].shape)}, "
                                f"the model's weight has {shape}")
     achieved = mask_set.sparsity()["global"]
     if abs(achieved - sparsity) > INIT_MASKS_SPARSITY_SLACK:
-        raise LeapctlError(f"--init-masks {path} has sparsity {achieved:.4f}, the target is {sparsity}")
-    # in the model's layer order, as Wanda yields them: initialisers draw noise layer by layer
-    return {name: mask_set.masks[name] for name in expected}
+        raise LeapctlError(f"{origin} has sparsity {achieved:.4f}, the target is {sparsity}")
+    return {name: mask_set.masks[name].cpu() for name in expected}
+
+
+def _checkpoint_tensors(weight_names, masked, optimizer) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint keyed by weight name: logits and AdamW state, as they live (FSDP2
+    shards stay shards; DCP writes each process's own)."""
+    tensors = {}
+    for name, layer in zip(weight_names, masked.values(), strict=True):
+        tensors[f"logits.{name}"] = layer.mask_logits.detach()
+        for key, value in optimizer.state.get(layer.mask_logits, {}).items():
+            tensors[f"{key}.{name}"] = value
+    return tensors
+
+
+def _restore(state_dir: Path, meta: dict, weight_names, masked, optimizer, distributed: bool) -> None:
+    """Logits into the parameters (shards under FSDP2) and AdamW's state through `load_state_dict`, which
+    puts every tensor where this optimizer keeps it (fused AdamW: `step` on the parameter's device)."""
+    templates, slots = {}, {}
+    for index, (name, layer) in enumerate(zip(weight_names, masked.values(), strict=True)):
+        param = layer.mask_logits
+        templates[f"logits.{name}"] = param.detach()
+        slots[index] = {"step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(param.detach()),
+                        "exp_avg_sq": torch.zeros_like(param.detach())}
+        for key, value in slots[index].items():
+            templates[f"{key}.{name}"] = value
+    load_tensors(state_dir, meta, templates, distributed)
+    groups = [{**saved, "params": group["params"]} for saved, group in
+              zip(meta["param_groups"], optimizer.state_dict()["param_groups"], strict=True)]
+    optimizer.load_state_dict({"state": slots, "param_groups": groups})
+
+
+@contextlib.contextmanager
+def _single_sequences():
+    """Every training window is one contiguous sequence (the positions the model derives, 0..T-1), so tell
+    transformers there is no packing instead of letting it test the positions on the device and read the
+    answer back: a host sync in every forward (`masking_utils.find_packed_sequence_indices`, which returns
+    None for such inputs anyway). Without that function there is nothing to skip."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _truncate_metrics(path: Path, start_step: int) -> None:
     """On resume, forget metric lines of steps after the checkpoint (they will be run again)."""
     if not path.is_file():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] < start_step
-    ]
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] < start_step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
@@ -506,76 +635,36 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain CPU copy of a (possibly FSDP-sharded) tensor; every rank must call it."""
-    if hasattr(tensor, "full_tensor"):
-        tensor = tensor.full_tensor()
-    return tensor.detach().cpu().clone()
-
-
-def _gather_training_state(model, optimizer, weight_names, masked, with_optimizer: bool = True) -> dict:
-    """Logits and optimizer state as full CPU tensors keyed by weight name (identical on every rank)."""
-    logits = {
-        name: _full(layer.mask_logits) for name, layer in zip(weight_names, masked.values(), strict=True)
-    }
-    state = {"logits": logits}
-    if with_optimizer:
-        per_param = []
-        for layer in masked.values():
-            slot = optimizer.state.get(layer.mask_logits, {})
-            per_param.append(
-                {
-                    key: (
-                        _full(value)
-                        if torch.is_tensor(value) and value.dim()
-                        else value.detach().cpu().clone()
-                        if torch.is_tensor(value)
-                        else value
-                    )
-                    for key, value in slot.items()
-                }
-            )
-        state["optimizer"] = {
-            "state": per_param,
-            "param_groups": [
-                {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
-            ],
-        }
-    return state
-
-
-@torch.no_grad()
-def _load_training_state(model, optimizer, resumed: dict, weight_names, masked) -> None:
-    """Put checkpointed logits and AdamW moments back (before any FSDP sharding happened, or into shards)."""
-    for name, layer in zip(weight_names, masked.values(), strict=True):
-        _copy_into(layer.mask_logits, resumed["logits"][name])
-    for layer, saved in zip(masked.values(), resumed["optimizer"]["state"], strict=True):
-        if not saved:
-            continue
-        param = layer.mask_logits
-        slot = {}
-        for key, value in saved.items():
-            if torch.is_tensor(value) and value.dim():
-                target = torch.zeros_like(param, dtype=value.dtype)
-                _copy_into(target, value)
-                slot[key] = target
-            else:
-                slot[key] = value.clone() if torch.is_tensor(value) else value
-        optimizer.state[param] = slot
-    for group, saved in zip(optimizer.param_groups, resumed["optimizer"]["param_groups"], strict=True):
-        group.update(saved)
-
-
-def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into `target`, which may be an FSDP shard (DTensor)."""
-    if hasattr(target, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        target.copy_(
-            distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
-        )
+def _clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the logits' total gradient norm to `max_norm` (0: no clipping); returns the norm before
+    clipping, as a tensor on the device (no host sync). FSDP2 shards give a DTensor: made whole."""
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
-        target.copy_(full.to(target.device, target.dtype))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _full_cpu(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole of a layer-sized tensor on the CPU: `tensor` is this process's shard when `like` (the
+    parameter) is an FSDP2 DTensor (every process must call this then), else the whole tensor already."""
+    if hasattr(like, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(tensor, DTensor):
+            tensor = DTensor.from_local(tensor, like.device_mesh, like.placements, shape=like.shape,
+                                        stride=like.stride())
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu()
+
+
+def _soft_density(final: dict, mask_state: MaskState, total_weights: int, sharded: bool) -> float:
+    """Mean noiseless soft mask at the last step's temperature, over all masked weights."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in final.values()]
+    kept = torch.stack([soft_mask(p, mask_state.alpha, mask_state.tau, None).sum() for p in local]).sum()
+    if sharded:
+        dist.all_reduce(kept)
+    return float(kept) / total_weights
 
 
 class _progress_bar:
@@ -602,43 +691,19 @@ class _progress_bar:
             )
             self.progress.start()
             self.task = self.progress.add_task(
-                "learn",
-                total=self.total,
-                completed=self.completed,
-                lm=math.nan,
-                density=math.nan,
-                alpha=0.0,
-                tau=0.0,
-                tps=0.0,
+                "learn", total=self.total, completed=self.completed, lm=math.nan, density=math.nan, alpha=0.0,
+                tau=0.0, tps=0.0,
             )
         return self
 
     def update(self, record: dict) -> None:
         if self.enabled:
-            self.progress.update(
-                self.task,
-                advance=1,
-                lm=record["lm_loss"],
-                density=record["density"],
-                alpha=record["alpha"],
-                tau=record["tau"],
-                tps=record["tokens_per_s"],
-            )
+            self.progress.update(self.task, advance=1, lm=record["lm_loss"], density=record["density"],
+                                 alpha=record["alpha"], tau=record["tau"], tps=record["tokens_per_s"])
 
     def __exit__(self, *exc):
         if self.enabled:
             self.progress.stop()
-
-
-def _plain_model(model, masked, fsdp: bool, config: LearnConfig):
-    """The model with plain linears back, on the CPU, for `save_run`. Under FSDP the model is sharded,
-    so rank 0 loads a fresh copy instead (the weights never changed)."""
-    if fsdp:
-        fresh, _ = load_model(config.model)
-        return fresh
-    model.gradient_checkpointing_disable()
-    detach_masks(model, masked)
-    return model.to("cpu").eval()
 
 
 def _density_per_block(model, keep: dict[str, torch.Tensor]) -> list[float]:
@@ -661,45 +726,26 @@ def _peak_memory(device: torch.device) -> dict:
     return peak
 
 
-@torch.no_grad()
-def _report(
-    config: LearnConfig,
-    world: int,
-    device,
-    metrics: list[dict],
-    train_seconds: float,
-    start_step: int,
-    total_weights: int,
-    final_logits: dict,
-    mask_state: MaskState,
-) -> dict:
-    soft = sum(
-        float(soft_mask(p, mask_state.alpha, mask_state.tau, None).sum()) for p in final_logits.values()
-    )
-    steps_here = config.steps - start_step
+def _report(config: LearnConfig, stats: dict, metrics: list[dict]) -> dict:
+    config = config.resolved()
     return {
         "method": "leap",
         "target_sparsity": config.sparsity,
-        "settings": {
-            **config.fingerprint(),
-            "micro_batch_size": config.micro_batch_size or config.batch_size // world,
-            "gradient_checkpointing": config.gradient_checkpointing,
-            "fsdp": config.fsdp,
-        },
-        "world_size": world,
-        "device": str(device),
+        "preset": config.preset,
+        "settings": {**stats["settings"], "gradient_checkpointing": config.gradient_checkpointing,
+                     "fsdp": config.fsdp,
+                     "micro_batch_size": config.micro_batch_size or config.batch_size // stats["world_size"]},
+        "world_size": stats["world_size"],
+        "device": stats["device"],
         "steps": config.steps,
-        "resumed_at_step": start_step or None,
+        "resumed_at_step": stats["resumed_at_step"],
         "tokens_trained": config.steps * config.batch_size * config.seq_len,
-        "train_seconds_this_process": train_seconds,
-        "tokens_per_s": steps_here * config.batch_size * config.seq_len / train_seconds
-        if train_seconds
-        else None,
-        "peak_memory": _peak_memory(device),
-        "final": {key: metrics[-1][key] for key in ("lm_loss", "density", "loss")} if metrics else {},
-        "final_soft_density_noiseless": soft / total_weights,
-        "masked_weights": total_weights,
+        "train_seconds_this_process": stats["train_seconds_this_process"],
+        "tokens_per_s": stats["tokens_per_s"],
+        "peak_memory": stats["peak_memory"],
+        "final": {key: metrics[-1][key] for key in ("lm_loss", "kl", "density", "loss")} if metrics else {},
+        "final_soft_density_noiseless": stats["final_soft_density_noiseless"],
+        "masked_weights": stats["masked_weights"],
         "magnitude_term": "-lambda2 * (1 - step/T) * sum_l ||M_l*W_l||_F / sum_l ||W_l||_F"
-        if config.magnitude_term
-        else None,
+        if config.magnitude_term else None,
     }

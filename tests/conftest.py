@@ -17,6 +17,15 @@ def require_asset(relative: str) -> Path:
     return ASSETS / relative
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster single-threaded on a shared 2-core machine; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def stories260k_dir() -> Path:
     return require_asset("stories260K/hf")

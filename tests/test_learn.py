@@ -30,14 +30,7 @@ from leapctl.learn.stream import WindowStream
 from leapctl.masks import load_masks
 from leapctl.runs import LOGITS_FILE, MASKS_FILE
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster single-threaded on a shared 2-core machine; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- the masked linear

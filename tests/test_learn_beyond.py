@@ -10,13 +10,7 @@ from leapctl.learn.loss import distillation_kl
 from leapctl.learn.mask import MaskState, attach_masks
 from leapctl.learn.reconstruct import reconstruct_weights, refit_rows
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- distillation

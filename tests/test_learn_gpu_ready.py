@@ -26,13 +26,7 @@ from leapctl.learn import LearnConfig, leap_masks
 from leapctl.learn.mask import hard_masks
 from leapctl.learn.stream import open_token_file, write_token_file
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,10 @@ SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp")
 HEADERS = ("bitmap_kernels.h",)
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.
-CFLAGS = ("-O3", "-fno-tree-slp-vectorize")
+# -fopenmp: at::parallel_for is inline code that splits work only where _OPENMP is defined; without it
+# every call ran on one thread whatever torch.set_num_threads said. The extension then shares torch's
+# libgomp.so.1 (same soname, already loaded), so torch's thread count holds for it too.
+CFLAGS = ("-O3", "-fno-tree-slp-vectorize", "-fopenmp")
 
 _status: tuple[bool, str] | None = None  # (loaded, why not)
 
@@ -90,8 +93,8 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
             # later build wait forever; holding our lock, nobody else is building.
             (folder / "lock").unlink(missing_ok=True)
             cpp_extension.load(name=extension_name(), sources=[str(CSRC / s) for s in SOURCES],
-                               extra_cflags=list(CFLAGS), build_directory=str(folder), verbose=verbose,
-                               is_python_module=False)
+                               extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                               build_directory=str(folder), verbose=verbose, is_python_module=False)
     except Exception as exc:  # a missing compiler, a failed build, an unloadable library
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, f"building it failed ({type(exc).__name__}: {first_line})"

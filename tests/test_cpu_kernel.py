@@ -126,6 +126,13 @@ def test_thread_count_does_not_change_the_result(op, isa):
         torch.set_num_threads(before)
 
 
+def test_the_library_splits_rows_over_torchs_openmp_threads(op):
+    """at::parallel_for is inline code that stays serial unless the extension is compiled with OpenMP (as
+    torch is): the built library must call GOMP_parallel and need the libgomp torch has loaded."""
+    library = next(cpu_kernel.build_dir().glob("*.so")).read_bytes()
+    assert b"GOMP_parallel" in library and b"libgomp.so.1" in library
+
+
 def test_avx512_and_avx2_agree_within_rounding(op):
     if cpu_kernel.supported_isas() != list(cpu_kernel.ISAS):
         pytest.skip("needs a CPU that runs both kernels")

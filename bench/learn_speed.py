@@ -53,7 +53,8 @@ def _rss_now() -> int:
 def run_variant(variant: str, args: dict, results) -> None:
     """One variant in a child process: warm-up steps, then timed steps; tokens/s and peak memory.
 
-    `learn` runs the real loop, `leap_masks` (random initial mask, distillation off), and times its steps
+    `learn` runs the real loop, `leap_masks` (random initial mask, distillation as `--distill` says: the
+    preset's 1.0 by default, one extra no-grad forward per micro-batch), and times its steps
     from the loop's own per-step clock; `finetune` trains every weight with the same checkpointing,
     autocast, fused AdamW, gradient clipping at 1.0 and one host read of the loss per step."""
     torch.set_num_threads(args["threads"]) if args["threads"] else None
@@ -73,8 +74,9 @@ def run_variant(variant: str, args: dict, results) -> None:
         corpus = torch.randint(0, SHAPES[args["shape"]]["vocab_size"], (total_steps * tokens_per_step,),
                                generator=generator)
         config = LearnConfig(model=f"random {args['shape']}", sparsity=0.5, steps=total_steps,
-                             batch_size=args["batch"], seq_len=args["seq_len"], init="random", distill=0.0,
-                             gradient_checkpointing=args["checkpointing"], autocast=autocast_on,
+                             batch_size=args["batch"], seq_len=args["seq_len"], init="random",
+                             distill=args["distill"], gradient_checkpointing=args["checkpointing"],
+                             autocast=autocast_on,
                              checkpoint_every=0, progress=False)
         learned = leap_masks(model, None, corpus, config)
         seconds = sum(m["step_s"] for m in learned.stats["metrics"][args["warmup"]:]) / args["steps"]
@@ -135,11 +137,14 @@ def main() -> None:
     )
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 autocast in both steps (default: on CUDA only)")
+    parser.add_argument("--distill", type=float, default=None,
+                        help="LEAP's distillation weight (default: the auto preset's, 1.0; 0 turns it off)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "learn_speed")
     options = parser.parse_args()
     args = dict(shape=options.shape, device=options.device, batch=options.batch, seq_len=options.seq_len,
                 warmup=options.warmup, steps=options.steps, threads=options.threads,
-                checkpointing=not options.no_checkpointing, autocast=options.autocast)  # fmt: skip
+                checkpointing=not options.no_checkpointing, autocast=options.autocast,
+                distill=options.distill)  # fmt: skip
     context = mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from leapctl.learn.loss import distillation_kl
+from leapctl.learn.loss import language_model_and_distillation
 from leapctl.learn.mask import MaskState, attach_masks
 from leapctl.learn.reconstruct import reconstruct_weights, refit_rows
 
@@ -16,18 +16,30 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---------------------------------------------------------------- distillation
 
 
-def test_distillation_kl_is_the_mean_kl_of_the_predicted_positions():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_losses_and_gradient_match_the_naive_ones(dtype):
+    """Against cross-entropy and KL(teacher || student) written out in float64 on the predicted positions
+    (all but each sequence's last, labelled by the next id), with the task loss (1 - d) * LM + d * KL."""
     generator = torch.Generator().manual_seed(0)
-    student = torch.randn(2, 5, 11, generator=generator, requires_grad=True)
-    teacher = torch.randn(2, 5, 11, generator=generator)
+    student = torch.randn(2, 5, 11, generator=generator).to(dtype).requires_grad_()
+    teacher = torch.randn(2, 5, 11, generator=generator).to(dtype)
+    ids = torch.randint(0, 11, (2, 5), generator=generator)
+    reference = student.detach().double().requires_grad_()
+    log_q = torch.log_softmax(reference[:, :-1], -1)
     p = torch.softmax(teacher[:, :-1].double(), -1)
-    q = torch.softmax(student[:, :-1].double(), -1)
-    naive = (p * (p.log() - q.log())).sum(-1).mean()  # KL(teacher || student) per position, averaged
-    got = distillation_kl(student, teacher)
-    torch.testing.assert_close(got.double(), naive, rtol=1e-5, atol=1e-7)
-    assert float(distillation_kl(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)
-    got.backward()
-    assert student.grad[:, -1].abs().max() == 0 and student.grad[:, :-1].abs().max() > 0
+    naive_lm = -log_q.gather(-1, ids[:, 1:, None]).mean()
+    naive_kl = (p * (p.log() - log_q)).sum(-1).mean()
+    lm, kl = language_model_and_distillation(student, teacher, ids)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lm.double(), naive_lm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kl.double(), naive_kl, rtol=1e-5, atol=1e-6)
+    d = 0.7
+    ((1 - d) * lm + d * kl).backward()
+    ((1 - d) * naive_lm + d * naive_kl).backward()
+    assert student.grad.dtype == dtype and student.grad[:, -1].abs().max() == 0
+    torch.testing.assert_close(student.grad.double(), reference.grad, **tolerance)
+    _, same_kl = language_model_and_distillation(teacher, teacher, ids)
+    assert float(same_kl) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_the_teacher_forward_is_the_dense_model(tiny_checkpoint):

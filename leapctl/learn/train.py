@@ -49,7 +49,7 @@ from leapctl.learn.checkpoint import (
     save_checkpoint,
 )
 from leapctl.learn.config import PRESET_VALUES, LearnConfig
-from leapctl.learn.loss import distillation_kl, regularisers
+from leapctl.learn.loss import language_model_and_distillation, regularisers
 from leapctl.learn.mask import MaskState, attach_masks, detach_masks, hard_masks, init_logits, soft_mask
 from leapctl.learn.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
 from leapctl.learn.stream import WindowStream, open_token_file, write_token_file
@@ -367,11 +367,13 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
                             teacher = model(input_ids=ids, use_cache=False).logits
                             mask_state.enabled = True
                     mask_state.start_micro_batch(step, micro_batch)
-                    out = train_model(input_ids=ids, labels=ids, use_cache=False)
-                    lm_loss = out.loss.float()
-                    kl = (distillation_kl(out.logits, teacher) if teacher is not None
-                          else torch.zeros_like(lm_loss))
-                    del out, teacher
+                    if teacher is not None:
+                        logits = train_model(input_ids=ids, use_cache=False).logits
+                        lm_loss, kl = language_model_and_distillation(logits, teacher, ids)
+                        del logits, teacher
+                    else:
+                        lm_loss = train_model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+                        kl = torch.zeros_like(lm_loss)
                     terms = regularisers(mask_state.mask_sums, mask_state.masked_norms_sq, total_weights,
                                          dense_norm_sum, config.density, config.lambda1, config.lambda2,
                                          decay)

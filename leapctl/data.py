@@ -20,6 +20,7 @@ import math
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from leapctl.errors import LeapctlError
@@ -185,19 +186,23 @@ def tokenize_documents(docs: list[str], tokenizer) -> torch.LongTensor:
     return torch.tensor([t for piece in pieces for t in piece], dtype=torch.long)
 
 
-def sample_windows(ids: torch.Tensor, nsamples: int, seq_len: int, seed: int) -> torch.LongTensor:
+def sample_windows(ids, nsamples: int, seq_len: int, seed: int) -> torch.LongTensor:
     """`nsamples` windows of `seq_len` tokens at random starts drawn by a generator seeded with `seed`.
     Like the Wanda/SparseGPT references, a window always leaves one token after it, so the stream must
-    hold at least seq_len + 1 tokens; windows may overlap."""
+    hold at least seq_len + 1 tokens; windows may overlap. `ids` is a 1-D tensor or array; a memory-mapped
+    array (learn's token file) is read only where the windows lie."""
     if nsamples < 1 or seq_len < 1:
         raise LeapctlError(f"need nsamples >= 1 and seq_len >= 1, got {nsamples} and {seq_len}")
-    if ids.dim() != 1 or ids.numel() < seq_len + 1:
-        raise LeapctlError(f"the calibration text has {ids.numel()} tokens; windows of {seq_len} tokens "
+    tokens = ids.shape[0] if ids.ndim == 1 else 0
+    if ids.ndim != 1 or tokens < seq_len + 1:
+        raise LeapctlError(f"the calibration text has {tokens} tokens; windows of {seq_len} tokens "
                            f"need at least {seq_len + 1} (use more text or a smaller --seq-len)")
     generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq_len, (nsamples,), generator=generator)
-    offsets = torch.arange(seq_len)
-    return ids[starts[:, None] + offsets[None, :]].long()
+    starts = torch.randint(0, tokens - seq_len, (nsamples,), generator=generator)
+    index = starts[:, None] + torch.arange(seq_len)[None, :]
+    if torch.is_tensor(ids):
+        return ids[index].long()
+    return torch.from_numpy(ids[index.numpy()].astype(np.int64))
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +119,17 @@ def test_sample_windows_are_seeded_contiguous_slices():
     assert int(starts.max()) <= 1000 - 50 - 1  # one token always follows a window
     assert torch.equal(windows, sample_windows(ids, 16, 50, seed=3))
     assert not torch.equal(windows, sample_windows(ids, 16, 50, seed=4))
+
+
+def test_sample_windows_of_a_memory_mapped_token_file_equal_the_tensors(tmp_path):
+    """learn reads its calibration windows straight from the uint32 token file: same windows, int64."""
+    ids = torch.randint(0, 50_000, (1000,), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "tokens.u32"
+    ids.numpy().astype(np.uint32).tofile(path)
+    mapped = np.memmap(path, dtype=np.uint32, mode="r")
+    windows = sample_windows(mapped, 16, 50, seed=3)
+    assert windows.dtype == torch.long and torch.equal(windows, sample_windows(ids, 16, 50, seed=3))
+    assert "need at least 11" in _error(sample_windows, mapped[:10], 2, 10, 0)
 
 
 def test_sample_windows_needs_seq_len_plus_one_tokens():

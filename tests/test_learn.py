@@ -345,16 +345,15 @@ def test_defaults_learn_from_step_one_and_the_paper_start_does_not(stories260k_d
     its Wanda start exactly. At the defaults (+-0.5, lr 0.4 / sqrt(steps)) the same 30 steps move the
     logits, change the mask, lower the training loss, and the pruned model predicts its training text
     better than with Wanda's mask (noiseless, hard mask, every window of the text)."""
-    from leapctl.data import tokenize_documents
+    from leapctl.data import sample_windows, tokenize_documents
     from leapctl.learn import leap_masks
-    from leapctl.learn.train import calibration_windows
     from leapctl.masks import apply_masks
     from leapctl.models import load_model
     from leapctl.prune.wanda import wanda_masks
 
     dense, tokenizer = load_model(str(stories260k_dir))
     ids = tokenize_documents([tinystories_text], tokenizer)
-    wanda = wanda_masks(copy.deepcopy(dense), calibration_windows(ids, 4, 32, 0), 0.5, in_place=False,
+    wanda = wanda_masks(copy.deepcopy(dense), sample_windows(ids, 4, 32, 0), 0.5, in_place=False,
                         progress=False)
     windows = ids[: ids.numel() // 32 * 32].view(-1, 32)
 

@@ -116,15 +116,14 @@ def test_dampened_refit_never_does_worse_than_masking_alone():
 def test_reconstruction_keeps_the_mask_and_repairs_a_wanda_model(stories260k_dir, tinystories_text):
     """Reference: the Wanda-pruned model (same mask, weights only masked). On stories260K at 50% the refit
     model predicts its calibration text much better, and every pruned weight is still exactly 0."""
-    from leapctl.data import tokenize_documents
-    from leapctl.learn.train import calibration_windows
+    from leapctl.data import sample_windows, tokenize_documents
     from leapctl.masks import apply_masks
     from leapctl.models import load_model
     from leapctl.prune.wanda import wanda_masks
 
     dense, tokenizer = load_model(str(stories260k_dir))
     ids = tokenize_documents([tinystories_text], tokenizer)
-    calib = calibration_windows(ids, 32, 64, 0)
+    calib = sample_windows(ids, 32, 64, 0)
     masks = wanda_masks(copy.deepcopy(dense), calib, 0.5, in_place=False, progress=False)
     masked = copy.deepcopy(dense)
     apply_masks(masked, masks)

@@ -32,13 +32,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def setup(stories260k_dir, tinystories_text):
     """The real stories260K model, the TinyStories excerpt as a token stream, and Wanda's mask on it."""
-    from leapctl.data import tokenize_documents
+    from leapctl.data import sample_windows, tokenize_documents
     from leapctl.models import load_model
     from leapctl.prune.wanda import wanda_masks
 
     model, tokenizer = load_model(str(stories260k_dir))
     ids = tokenize_documents([tinystories_text], tokenizer)
-    init = wanda_masks(copy.deepcopy(model), train.calibration_windows(ids, 4, 32, 0), 0.5, in_place=False,
+    init = wanda_masks(copy.deepcopy(model), sample_windows(ids, 4, 32, 0), 0.5, in_place=False,
                        progress=False)
     return model, tokenizer, ids, init
 

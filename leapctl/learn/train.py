@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging as transformers_logging
 
 from leapctl.compute import resolve_device
-from leapctl.data import calibration_batch, corpus_ids
+from leapctl.data import calibration_batch, corpus_ids, sample_windows
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
     has_checkpoint,
@@ -467,21 +467,10 @@ def finish_weights(model: torch.nn.Module, masks: MaskSet, corpus, config: Learn
     if config.reconstruct:
         from leapctl.learn.reconstruct import reconstruct_weights
 
-        calib = calibration_windows(corpus, config.nsamples, config.seq_len, config.seed)
+        calib = sample_windows(corpus, config.nsamples, config.seq_len, config.seed)
         reconstruct_weights(model, masks, calib, device=next(model.parameters()).device,
                             progress=config.progress)
     apply_masks(model, masks)
-
-
-def calibration_windows(corpus, nsamples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """`nsamples` windows of `seq_len` tokens of the corpus at seeded random starts: the windows
-    `leapctl.data.sample_windows` cuts from the same stream with the same seed."""
-    array = corpus.numpy() if torch.is_tensor(corpus) else corpus
-    if array.shape[0] < seq_len + 1:
-        raise LeapctlError(f"the corpus has {array.shape[0]} tokens; windows of {seq_len} need {seq_len + 1}")
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, array.shape[0] - seq_len, (nsamples,), generator=generator).numpy()
-    return torch.from_numpy(np.stack([array[s : s + seq_len] for s in starts]).astype(np.int64))
 
 
 # ------------------------------------------------------------ helpers, in the order the loop uses them
@@ -530,7 +519,7 @@ def _initial_keep(model, corpus, config: LearnConfig, linears, init: MaskSet | N
     if init is None and config.init_masks is not None:
         init, origin = load_masks(mask_source(Path(config.init_masks))), f"--init-masks {config.init_masks}"
     if init is None:
-        calib = calibration_windows(corpus, config.nsamples, config.seq_len, config.seed)
+        calib = sample_windows(corpus, config.nsamples, config.seq_len, config.seed)
         init = _wanda(model, calib, config, device)
     return _checked_keep(init, linears, config.sparsity, origin)
 

@@ -21,12 +21,14 @@ CONFIG_OPTION = "config_file"
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
-            argument: bool = False, metavar: str | None = None, cli: bool = True,
+            argument: bool = False, metavar: str | None = None, cli: bool = True, required: bool = False,
             default_factory: Any = dataclasses.MISSING) -> Any:
     """A config field with its command-line help. `flag` overrides the generated spelling
     (`--name`, or `--name/--no-name` for booleans); `argument` makes it positional; `cli=False` keeps it
-    off the command line (Python callers only)."""
-    metadata = {"help": help, "flag": flag, "argument": argument, "metavar": metavar, "cli": cli}
+    off the command line (Python callers only); `required` makes the command line (or --config FILE) give
+    a field that Python callers may leave at its default."""
+    metadata = {"help": help, "flag": flag, "argument": argument, "metavar": metavar, "cli": cli,
+                "required": required}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -37,7 +39,8 @@ def cli_fields(config_cls: type) -> list[dataclasses.Field]:
 
 
 def _required(field: dataclasses.Field) -> bool:
-    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    no_default = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    return no_default or field.metadata.get("required", False)
 
 
 def _flag_names(field: dataclasses.Field, annotation: Any) -> list[str]:

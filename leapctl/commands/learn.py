@@ -7,7 +7,6 @@ import json
 import typer
 
 from leapctl.cli import app
-from leapctl.errors import LeapctlError
 from leapctl.learn.config import LearnConfig
 from leapctl.settings import config_command
 
@@ -15,8 +14,6 @@ from leapctl.settings import config_command
 def _learn(config: LearnConfig) -> None:
     from leapctl.learn import learn_masks
 
-    if config.out is None:
-        raise LeapctlError("missing option --out (give it on the command line or in --config FILE)")
     result = learn_masks(config)
     if result.interrupted_by:
         typer.echo(f"interrupted after step {result.steps_done}: checkpoint in {result.state_dir}; "

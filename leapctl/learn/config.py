@@ -67,8 +67,8 @@ def auto_lr(steps: int) -> float:
 class LearnConfig:
     model: str = setting(help="Local Hugging Face folder, hub id, or built-in name (smollm2-135m).",
                          argument=True, metavar="MODEL")
-    # Required on the command line; None in Python (leap_masks in memory, no files).
-    out: Path | None = setting(None, "Output run folder (required): checkpoint, masks, report, plots.")
+    # None in Python: leap_masks in memory, no files.
+    out: Path | None = setting(None, "Output run folder: checkpoint, masks, report, plots.", required=True)
     sparsity: float = setting(0.5, "Target fraction of zeros over all masked weights.")
     calib: str = setting("wiki-summaries", "Training text: file, folder, .jsonl, saved dataset, "
                                            "wiki-summaries or generated (sampled from the model).")

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "am
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
-# (rows, cols): columns not a multiple of 8/32/64, one column, no rows, a matrix wider than one tile
-# of the many-rows kernels (so partial sums carry over between tiles), and rows not a multiple of 4.
-SHAPES = [(37, 173), (5, 1), (0, 40), (13, 64), (9, 33), (6, 2100)]
+# (rows, cols): columns not a multiple of 8/32/64, one column, no rows, a matrix wider than one fp32 tile
+# of the many-rows kernels (8192 columns, so partial sums carry over between tiles), and rows not a
+# multiple of 3 or 4 (the bf16 kernels' blocks).
+SHAPES = [(37, 173), (5, 1), (0, 40), (13, 64), (9, 33), (6, 8300)]
 DENSITIES = [0.0, 0.1, 0.5, 0.9, 1.0]
 
 

@@ -1,14 +1,15 @@
 // AVX-512 kernels (F, BW, VL, VBMI2 for vpexpandw, BF16 for vdpbf16ps). Only this file's functions are
 // compiled for these instructions; the op calls them after checking the CPU's flags.
 //
-// Few rows of x (up to kDirectMaxM): blocks of kBlockRows weight rows are walked word by word at once,
-// each word expanded in a register and multiplied with every row of x, with software prefetch ahead of
-// the block's values and bitmap. More rows of x: blocks of kTileRows weight rows are expanded into a
-// dense tile (whole rows: L1 for short rows, L2 for long ones), and a register-blocked micro-kernel
-// multiplies the tile with up to kMaxChunk rows of x at a time, so each expansion is shared by all rows
-// of x and each load of x by kTileRows weight rows; the first pass prefetches the next block. Every
-// constant below was chosen by timing the alternatives side by side on the Zen 5 machines this project
-// runs on, with weights read from DRAM (bench/cpu_kernels.py).
+// bf16, every M up to kSparseMaxM: blocks of 3 or 4 weight rows are walked word by word, each word
+// expanded in a register and multiplied with a chunk of up to 8 rows of x (x interleaved by word, so
+// that one pointer reaches every row of the chunk); above 8 rows of x each block runs chunks of up to 6,
+// the later ones re-expanding the block's words from cache, so every weight is read from memory once.
+// fp16 and fp32 (two fp32 vectors per word) do the same for up to kFloatDirectMaxM rows of x; above,
+// blocks of kTileRows weight rows are expanded into a dense fp32 tile and a register-blocked
+// micro-kernel multiplies the tile with up to kMaxChunk rows of x at a time. Every constant below was
+// chosen by timing the alternatives side by side on the Zen 5 machines this project runs on, with
+// weights read from DRAM (bench/cpu_kernels.py).
 #include <immintrin.h>
 
 #include <cstdlib>
@@ -24,17 +25,22 @@
 namespace leap_sparse {
 namespace {
 
-// Rows of x up to which weight rows are multiplied directly: with bf16 each row of x takes one register
-// per word, fp16 and fp32 take two (the products are fp32). Above these, the tiles measured faster.
-template <DType D>
-constexpr int kDirectMaxM = D == DType::BF16 ? 6 : 3;
-// Weight rows walked at once by the direct path. One row at a time leaves the multiply-adds of a row
-// waiting for each other; four rows share each load of x and keep 4 x M independent sums (measured
-// 20-30% faster than one row with 2-4 words unrolled, when the values come from cache).
-constexpr int kBlockRows = 4;
-constexpr int kTileRows = 4;  // weight rows per tile
+// The direct path multiplies each expanded word with a chunk of rows of x held in accumulators: bf16
+// takes one register per row of x and word, so a block of 4 weight rows takes chunks of up to 6 rows
+// of x (24 accumulators) and a block of 3 rows chunks of up to 8. One row at a time leaves the
+// multiply-adds of a row waiting for each other (a 6-cycle latency per word); 3 or 4 rows keep 18 to
+// 32 independent sums. fp16 and fp32 take two fp32 registers per row of x and word: blocks of 4 rows
+// with up to kFloatDirectMaxM rows of x, the tiles above.
+// x is read from L2 once per block and chunk, so blocks of 4 rows (a quarter of x per weight row) beat
+// two chunks of 8 in blocks of 3 above 8 rows of x: at M = 16, Llama-3-8B's layers (x of 128 KiB)
+// measured 0.96-1.02x dense against 0.86-0.90x. At M = 8 one chunk in blocks of 3 measured 1.27-1.53x,
+// two chunks of 4 in blocks of 4 1.16-1.32x.
+constexpr int kChunkMaxM = 8;   // rows of x in one chunk (blocks of 3 weight rows above kWideChunkM)
+constexpr int kWideChunkM = 6;  // rows of x per chunk, in blocks of 4 weight rows, above kChunkMaxM
+constexpr int kFloatDirectMaxM = 3;
+constexpr int kTileRows = 4;  // weight rows per (fp32) tile
 constexpr int kMaxChunk = 6;  // rows of x per pass of the micro-kernel: 24 accumulators (4 to 8 measured alike)
-// Per weight row of the tile: whole rows up to 16384 bf16 columns. Splitting rows into L1-sized pieces
+// Per weight row of the tile: whole rows up to 8192 columns. Splitting rows into L1-sized pieces
 // measured 10-25% slower at 8 and 16 rows of x (the partial sums go through memory between pieces).
 constexpr int64_t kTileBytes = 32768;
 // Software prefetch distance: the hardware prefetcher alone left the kernel at half the bandwidth;
@@ -209,23 +215,34 @@ inline int64_t blocks_ahead(int64_t block_bytes) {
 }
 
 template <typename Value>
-Distances block_distances(const Problem& p, int64_t row_begin, int64_t row_end) {
+Distances block_distances(const Problem& p, int64_t row_begin, int64_t row_end, int block_rows) {
   // Rows are about equally long (exactly so for Wanda's masks); the average over the range is near enough.
   const int64_t span = row_end - 1 - row_begin;
-  const int64_t block = span > 0 ? (p.row_offsets[row_end - 1] - p.row_offsets[row_begin]) * kBlockRows / span *
+  const int64_t block = span > 0 ? (p.row_offsets[row_end - 1] - p.row_offsets[row_begin]) * block_rows / span *
                                        static_cast<int64_t>(sizeof(Value))
                                  : 0;
-  return {blocks_ahead(block), blocks_ahead(kBlockRows * p.bitmap_stride)};
+  return {blocks_ahead(block), blocks_ahead(block_rows * p.bitmap_stride)};
 }
 
-// Output rows row .. row + R (R <= 4) for all M rows of x, each a sum over its words in order, whatever R
-// is, so that the split of rows between threads leaves results unchanged.
+// Bytes between rows of x and between words of a row: bf16 x is interleaved by word (all rows' word w,
+// then word w + 1), fp32 x is row-major (see Problem::x).
+struct XSteps {
+  int64_t row, word;
+};
+
+template <DType D>
+inline XSteps x_steps(const Problem& p) {
+  if constexpr (D == DType::BF16) return {64, p.m * 64};
+  return {p.x_stride * 4, 128};
+}
+
+// Output rows row .. row + R (R <= 4) for rows m0 .. m0 + M of x, each a sum over its words in order,
+// whatever R and the chunks are, so that the split of rows between threads leaves results unchanged.
+// The first chunk of a block prefetches; later chunks find the block's words in cache.
 template <DType D, int M, int R>
-void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row, Distances ahead) {
+void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row, int64_t m0,
+                  const Distances* ahead) {
   using Value = typename Traits<D>::Value;
-  const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
-  const char* x = static_cast<const char*>(p.x);
-  const int64_t x_row = p.x_stride * x_elem;
   const Value* v[R];
   const uint8_t* bits[R];
   __m512 acc[R][M];
@@ -235,17 +252,24 @@ void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
   const int64_t full = p.cols / 32, tail_bytes = p.bitmap_stride - 4 * full;
+  const XSteps x_step = x_steps<D>(p);
+  const char* x = static_cast<const char*>(p.x) + m0 * x_step.row;  // word w of the chunk's first row
   const auto step = [&](int64_t w, int64_t bytes) __attribute__((always_inline)) {
-    XWord<D> xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = load_x<D>(x + m * x_row + w * 32 * x_elem);
-    for (int r = 0; r < R; ++r) {
-      const Expanded<D> e = expand_word<D>(mask_word(bits[r], w, bytes), v[r]);
-      for (int m = 0; m < M; ++m) acc[r][m] = multiply_add<D>(acc[r][m], e, xv[m]);
+    Expanded<D> e[R];
+    for (int r = 0; r < R; ++r) e[r] = expand_word<D>(mask_word(bits[r], w, bytes), v[r]);
+    for (int m = 0; m < M; ++m) {
+      const XWord<D> xv = load_x<D>(x + m * x_step.row);
+      for (int r = 0; r < R; ++r) acc[r][m] = multiply_add<D>(acc[r][m], e[r], xv);
     }
+    x += x_step.word;
   };
-  for (int64_t w = 0; w < full; ++w) {
-    for (int r = 0; r < R; ++r) prefetch_ahead(v[r], bits[r], w, ahead.values, ahead.bitmap);
-    step(w, 4);
+  if (ahead != nullptr) {
+    for (int64_t w = 0; w < full; ++w) {
+      for (int r = 0; r < R; ++r) prefetch_ahead(v[r], bits[r], w, ahead->values, ahead->bitmap);
+      step(w, 4);
+    }
+  } else {
+    for (int64_t w = 0; w < full; ++w) step(w, 4);
   }
   if (tail_bytes > 0) step(full, tail_bytes);
   const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
@@ -253,39 +277,66 @@ void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64
   for (int m = 0; m < M; ++m) {
     __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<D>(p.y, m * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
   }
 }
 
-template <DType D, int M>
-void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin,
-                 int64_t row_end) {
-  const Distances ahead = block_distances<typename Traits<D>::Value>(p, row_begin, row_end);
+// All rows of x in one chunk: blocks of R weight rows (single rows at the end of the range), the block
+// kernel inlined (a call per block cost 5-10% on short rows).
+template <DType D, int M, int R>
+void rows_direct(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin, int64_t row_end) {
+  using Value = typename Traits<D>::Value;
+  const Distances ahead = block_distances<Value>(p, row_begin, row_end, R);
+  const Distances single = block_distances<Value>(p, row_begin, row_end, 1);
   int64_t row = row_begin;
-  for (; row + kBlockRows <= row_end; row += kBlockRows) block_direct<D, M, kBlockRows>(p, base, row, ahead);
-  for (; row < row_end; ++row) block_direct<D, M, 1>(p, base, row, ahead);
+  for (; row + R <= row_end; row += R) block_direct<D, M, R>(p, base, row, 0, &ahead);
+  for (; row < row_end; ++row) block_direct<D, M, 1>(p, base, row, 0, &single);
 }
 
-// ---------------------------------------------------------------- many rows of x
+// The kernels for blocks of R weight rows and First.. rows of x: rows[m - First] walks a range of rows,
+// blocks[m - First] one block.
+template <DType D, int R, int First, typename Ms>
+struct DirectTable;
+template <DType D, int R, int First, int... Ms>
+struct DirectTable<D, R, First, std::integer_sequence<int, Ms...>> {
+  using Fn = void (*)(const Problem&, const typename Traits<D>::Value*, int64_t, int64_t);
+  static constexpr Fn rows[] = {&rows_direct<D, First + Ms, R>...};
+  using BlockFn = void (*)(const Problem&, const typename Traits<D>::Value*, int64_t, int64_t, const Distances*);
+  static constexpr BlockFn blocks[] = {&block_direct<D, First + Ms, R>...};
+};
 
-// The tile holds weight rows as bf16 pairs (bf16) or fp32 (fp16, fp32), `cols` columns each, in words of
-// 32 columns; a zero-filled row stands in for rows past the end.
+template <DType D, int R, int First, int Last>
+using Direct = DirectTable<D, R, First, std::make_integer_sequence<int, Last - First + 1>>;
+
+// bf16 above kChunkMaxM rows of x: blocks of 4 weight rows, each running every chunk of x (the first
+// prefetches; the others find the block's words in cache).
 template <DType D>
-using TileValue = std::conditional_t<D == DType::BF16, uint16_t, float>;
+void rows_chunked(const Problem& p, const typename Traits<D>::Value* base, int64_t row_begin, int64_t row_end,
+                  int64_t chunk) {
+  using Value = typename Traits<D>::Value;
+  const Distances ahead = block_distances<Value>(p, row_begin, row_end, 4);
+  const Distances single = block_distances<Value>(p, row_begin, row_end, 1);
+  const auto run = [&](const auto& blocks, int64_t row, const Distances* first) {
+    for (int64_t m0 = 0; m0 < p.m; m0 += chunk) blocks[smaller(chunk, p.m - m0) - 1](p, base, row, m0, m0 == 0 ? first : nullptr);
+  };
+  int64_t row = row_begin;
+  for (; row + 4 <= row_end; row += 4) run(Direct<D, 4, 1, kWideChunkM>::blocks, row, &ahead);
+  for (; row < row_end; ++row) run(Direct<D, 1, 1, kWideChunkM>::blocks, row, &single);
+}
 
+// ---------------------------------------------------------------- fp16 and fp32, many rows of x
+
+// The tile holds weight rows in fp32, `cols` columns each, in words of 32 columns; a zero-filled row
+// stands in for rows past the end.
 template <DType D>
 inline void expand_into_tile(const uint8_t* bits, const typename Traits<D>::Value*& v, int64_t w_begin,
-                             int64_t w_end, int64_t full, int64_t tail_bytes, TileValue<D>* out) {
+                             int64_t w_end, int64_t full, int64_t tail_bytes, float* out) {
   for (int64_t w = w_begin; w < w_end; ++w) {
     prefetch_ahead(v, bits, w, kPrefetchBytes, kPrefetchBytes);
     const Expanded<D> e = expand_word<D>(mask_word(bits, w, w < full ? 4 : tail_bytes), v);
-    TileValue<D>* o = out + (w - w_begin) * 32;
-    if constexpr (D == DType::BF16) {
-      _mm512_store_si512(o, e.pairs);
-    } else {
-      _mm512_store_ps(o, e.lo);
-      _mm512_store_ps(o + 16, e.hi);
-    }
+    float* o = out + (w - w_begin) * 32;
+    _mm512_store_ps(o, e.lo);
+    _mm512_store_ps(o + 16, e.hi);
   }
 }
 
@@ -299,9 +350,9 @@ struct Ahead {
   const char* bitmap;
 };
 
-template <DType D, int MC>
-inline void tile_multiply(__m512 (&acc)[kTileRows][MC], const TileValue<D>* tile, int64_t tile_stride,
-                          const char* x, int64_t x_row, int64_t words, Ahead ahead) {
+template <int MC>
+inline void tile_multiply(__m512 (&acc)[kTileRows][MC], const float* tile, int64_t tile_stride, const float* x,
+                          int64_t x_row, int64_t words, Ahead ahead) {
   for (int64_t w = 0; w < words; ++w) {
     if (ahead.lines > 0) {
       for (int64_t i = 0; i < ahead.lines; ++i) _mm_prefetch(ahead.values + 64 * i, _MM_HINT_T0);
@@ -311,22 +362,13 @@ inline void tile_multiply(__m512 (&acc)[kTileRows][MC], const TileValue<D>* tile
         ahead.bitmap += 64;
       }
     }
-    if constexpr (D == DType::BF16) {
-      __m512i wv[kTileRows];
-      for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_load_si512(tile + r * tile_stride + w * 32);
+    for (int half = 0; half < 2; ++half) {
+      __m512 wv[kTileRows];
+      const int64_t column = w * 32 + half * 16;
+      for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_load_ps(tile + r * tile_stride + column);
       for (int m = 0; m < MC; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_row + w * 64);
-        for (int r = 0; r < kTileRows; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv[r], xv);
-      }
-    } else {
-      for (int half = 0; half < 2; ++half) {
-        __m512 wv[kTileRows];
-        const int64_t column = w * 32 + half * 16;
-        for (int r = 0; r < kTileRows; ++r) wv[r] = _mm512_load_ps(tile + r * tile_stride + column);
-        for (int m = 0; m < MC; ++m) {
-          const __m512 xv = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row) + column);
-          for (int r = 0; r < kTileRows; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-        }
+        const __m512 xv = _mm512_loadu_ps(x + m * x_row + column);
+        for (int r = 0; r < kTileRows; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
       }
     }
   }
@@ -360,18 +402,17 @@ inline void start_pass(const Problem& p, __m512 (&acc)[kTileRows][MC], int64_t m
 
 // A pass of MC rows of x (from m0) over a tile already expanded.
 template <DType D, int MC>
-void tile_pass(const Problem& p, const TileValue<D>* tile, int64_t tile_stride, int64_t words, int64_t column,
+void tile_pass(const Problem& p, const float* tile, int64_t tile_stride, int64_t words, int64_t column,
                int64_t m0, bool first, bool last, __m512* partial, int64_t row, int rows_valid, Ahead ahead) {
-  const int64_t x_elem = p.x_is_bf16 ? 2 : 4;
-  const char* x = static_cast<const char*>(p.x) + (m0 * p.x_stride + column) * x_elem;
+  const float* x = static_cast<const float*>(p.x) + m0 * p.x_stride + column;
   __m512 acc[kTileRows][MC];
   start_pass<D, MC>(p, acc, m0, first, partial);
-  tile_multiply<D, MC>(acc, tile, tile_stride, x, p.x_stride * x_elem, words, ahead);
+  tile_multiply<MC>(acc, tile, tile_stride, x, p.x_stride, words, ahead);
   finish_pass<D, MC>(p, acc, m0, last, partial, row, rows_valid);
 }
 
 template <DType D>
-using PassFn = void (*)(const Problem&, const TileValue<D>*, int64_t, int64_t, int64_t, int64_t, bool, bool,
+using PassFn = void (*)(const Problem&, const float*, int64_t, int64_t, int64_t, int64_t, bool, bool,
                         __m512*, int64_t, int, Ahead);
 
 template <DType D, typename Ms>
@@ -386,10 +427,10 @@ void rows_tiled(const Problem& p, const typename Traits<D>::Value* base, int64_t
   using Value = typename Traits<D>::Value;
   const int64_t full = p.cols / 32, tail_bytes = p.bitmap_stride - 4 * full;
   const int64_t words = full + (tail_bytes > 0 ? 1 : 0);
-  const int64_t tile_words = smaller(words, kTileBytes / (32 * sizeof(TileValue<D>)));
+  const int64_t tile_words = smaller(words, kTileBytes / (32 * sizeof(float)));
   const int64_t tile_stride = tile_words * 32;
-  const int64_t row_bytes = tile_stride * sizeof(TileValue<D>);
-  auto* tile = static_cast<TileValue<D>*>(std::aligned_alloc(64, kTileRows * row_bytes));
+  const int64_t row_bytes = tile_stride * sizeof(float);
+  auto* tile = static_cast<float*>(std::aligned_alloc(64, kTileRows * row_bytes));
   alignas(64) __m512 partial[kTileRows * kSparseMaxM];
   for (int64_t row = row_begin; row < row_end; row += kTileRows) {
     const int rows_valid = static_cast<int>(smaller(kTileRows, row_end - row));
@@ -422,14 +463,6 @@ void rows_tiled(const Problem& p, const typename Traits<D>::Value* base, int64_t
   std::free(tile);
 }
 
-template <DType D, typename Ms>
-struct Direct;
-template <DType D, int... Ms>
-struct Direct<D, std::integer_sequence<int, Ms...>> {
-  using Fn = void (*)(const Problem&, const typename Traits<D>::Value*, int64_t, int64_t);
-  static constexpr Fn table[] = {&rows_direct<D, Ms + 1>...};
-};
-
 template <DType D>
 void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
   using Value = typename Traits<D>::Value;
@@ -439,10 +472,18 @@ void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_e
       for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
     return;
   }
-  if (p.m <= kDirectMaxM<D>) {
-    return Direct<D, std::make_integer_sequence<int, kDirectMaxM<D>>>::table[p.m - 1](p, base, row_begin, row_end);
+  if constexpr (D == DType::BF16) {
+    if (p.m <= kWideChunkM) return Direct<D, 4, 1, kWideChunkM>::rows[p.m - 1](p, base, row_begin, row_end);
+    if (p.m <= kChunkMaxM) {
+      return Direct<D, 3, kWideChunkM + 1, kChunkMaxM>::rows[p.m - kWideChunkM - 1](p, base, row_begin, row_end);
+    }
+    // Chunks of at most kWideChunkM rows of x, as even as they can be.
+    const int64_t chunks = (p.m + kWideChunkM - 1) / kWideChunkM;
+    rows_chunked<D>(p, base, row_begin, row_end, (p.m + chunks - 1) / chunks);
+  } else {
+    if (p.m <= kFloatDirectMaxM) return Direct<D, 4, 1, kFloatDirectMaxM>::rows[p.m - 1](p, base, row_begin, row_end);
+    rows_tiled<D>(p, base, row_begin, row_end);
   }
-  rows_tiled<D>(p, base, row_begin, row_end);
 }
 
 template <DType D>

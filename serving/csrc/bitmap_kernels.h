@@ -29,8 +29,10 @@ struct Problem {
   const int64_t* row_offsets;  // [rows], index of each row's first value
   int64_t rows;
   int64_t cols;
-  // x as the op packs it: m rows of x_stride elements (a multiple of 32, zeros past cols), bf16 when
-  // x_is_bf16 (the AVX-512 kernel multiplies bf16 pairs) and fp32 otherwise.
+  // x as the op packs it, zeros past cols up to a whole 32-column word. fp32: m rows of x_stride
+  // elements (a multiple of 32). bf16 when x_is_bf16 (the AVX-512 kernel multiplies bf16 pairs):
+  // interleaved by word, word w of row i at element (w * m + i) * 32, so one pointer walks a word of
+  // every row; x_stride is then unused.
   const void* x;
   int64_t x_stride;
   bool x_is_bf16;
@@ -48,7 +50,8 @@ struct Values {
 };
 
 // y[:, row_begin:row_end] for all m rows of x. Each block of rows reads its bitmap words and values
-// once and multiplies the expanded values with up to 8 (AVX-512) or 4 (AVX2) rows of x at a time.
+// from memory once and multiplies the expanded values with up to 8 (AVX-512) or 4 (AVX2) rows of x at a
+// time.
 void gemm_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end);
 void gemm_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end);
 

@@ -104,6 +104,21 @@ int64_t popcount_row(const uint8_t* row, int64_t bytes) {
   return count;
 }
 
+// bf16 x [m, cols] (rows row_stride elements apart) interleaved by 32-column word as the AVX-512 kernel
+// reads it (Problem::x), zeros past cols.
+void interleave_words(const uint16_t* x, int64_t row_stride, int64_t m, int64_t cols, uint16_t* out) {
+  const int64_t full = cols / 32, tail = cols - 32 * full;
+  for (int64_t i = 0; i < m; ++i) {
+    const uint16_t* row = x + i * row_stride;
+    for (int64_t w = 0; w < full; ++w) std::memcpy(out + (w * m + i) * 32, row + 32 * w, 64);
+    if (tail > 0) {
+      uint16_t* last = out + (full * m + i) * 32;
+      std::memcpy(last, row + 32 * full, tail * 2);
+      std::memset(last + tail, 0, (32 - tail) * 2);
+    }
+  }
+}
+
 // The first row from which every row ends less than kValuePad elements before the end of `values`:
 // the kernels' vector loads past those rows' last values would leave the tensor. Rows end in order, so
 // this walks back from the last row (one or two steps unless rows hold fewer than kValuePad values).
@@ -182,15 +197,12 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   if (m <= kSparseMaxM) {
     p.x_is_bf16 = isa == Isa::Avx512 && dtype == DType::BF16;
     const auto packed_type = p.x_is_bf16 ? at::kBFloat16 : at::kFloat;
-    // bf16 rows of whole 32-column words need no copy (the usual case: hidden sizes are multiples of 32).
-    const bool as_is = p.x_is_bf16 && n_cols == padded_cols && (m == 1 || x2.stride(0) == n_cols);
+    // One bf16 row of whole 32-column words is already interleaved (a decode step of one sequence).
+    const bool as_is = p.x_is_bf16 && m == 1 && n_cols == padded_cols;
     at::Tensor packed = as_is ? x2 : at::empty({m, padded_cols}, x.options().dtype(packed_type));
     if (p.x_is_bf16 && !as_is) {
-      for (int64_t i = 0; i < m; ++i) {
-        char* dst = static_cast<char*>(packed.data_ptr()) + i * padded_cols * 2;
-        std::memcpy(dst, static_cast<const char*>(x2.data_ptr()) + i * x2.stride(0) * 2, n_cols * 2);
-        std::memset(dst + n_cols * 2, 0, (padded_cols - n_cols) * 2);
-      }
+      interleave_words(static_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), m, n_cols,
+                       static_cast<uint16_t*>(packed.data_ptr()));
     } else if (!p.x_is_bf16) {
       widen_x_avx2(dtype, x2.data_ptr(), x2.stride(0), m, n_cols, packed.data_ptr<float>(), padded_cols);
     }

@@ -231,8 +231,8 @@ def main() -> None:
         args.models, args.sparsities, args.tokens, args.repeats = ["SmolLM2-135M"], [0.5], [1, 8], 7
     if not cpu_kernel.load(verbose=True):
         sys.exit(f"the native kernel is unavailable: {cpu_kernel.unavailable_reason()}")
-    if any(m > 16 for m in args.tokens):
-        print("note: above 16 rows of x the op decodes tiles and runs ATen's dense GEMM")
+    if any(m > 40 for m in args.tokens):
+        print("note: above 40 rows of x the op decodes tiles and runs ATen's dense GEMM")
     args.device = device_name()
     onednn = onednn_ops()
     if onednn is None:

@@ -1,6 +1,7 @@
 """The native CPU sparse linear op against the dense masked matmul computed plainly (float64), on every
 instruction-set path this CPU runs (AVX-512 and AVX2 on the CI machines), every value dtype, 1 and 2
-threads, M = 1..17 rows of x (the sparse kernels up to 16, decoded tiles and a dense GEMM above),
+threads, M = 1..17, 24, 40 and 41 rows of x (the sparse kernels up to 40, decoded tiles and a dense GEMM
+above),
 odd column counts, empty and full rows, and tensor-parallel slices of a weight."""
 
 import os
@@ -75,7 +76,7 @@ def call(op, x, weight: BitmapWeight, bias=None):
 
 
 def check_close(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, what: str) -> None:
-    """Per output: a rounding of x W^T and one of the result to the output dtype (above 16 rows the
+    """Per output: a rounding of x W^T and one of the result to the output dtype (above 40 rows the
     dense GEMM may round the product before adding the bias) plus the fp32 summation bound
     K * 2^-23 * sum |x w|."""
     product = x.double() @ dense.double().T
@@ -94,7 +95,7 @@ def test_every_m_and_density_matches_the_dense_masked_matmul(op, isa, threads, d
     for density in DENSITIES:
         dense, weight = sparse_weight(rows, cols, density, dtype, seed=int(density * 10))
         bias = torch.randn(rows).to(dtype)
-        for m in range(1, 18):
+        for m in [*range(1, 18), 24, 40, 41]:
             x = torch.randn(m, cols).to(dtype)
             got = call(op, x, weight, bias if m % 2 else None)
             assert got.shape == (m, rows) and got.dtype == dtype
@@ -102,7 +103,7 @@ def test_every_m_and_density_matches_the_dense_masked_matmul(op, isa, threads, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 9, 16, 17, 40, 41, 64])
 def test_small_integers_give_exact_results(op, isa, dtype, m):
     """Weights +-1 and x in {-1, 0, 1} over 200 columns: every partial sum is an integer below 256, exact
     in fp32 and in both 16-bit types, so every path must match the reference bit for bit."""
@@ -117,7 +118,7 @@ def test_thread_count_does_not_change_the_result(op, isa):
     dense, weight = sparse_weight(301, 577, 0.4, torch.bfloat16)
     before = torch.get_num_threads()
     try:
-        for m in (1, 4, 16, 20):
+        for m in (1, 4, 8, 16, 20, 40, 48):
             x = torch.randn(m, 577).to(torch.bfloat16)
             torch.set_num_threads(1)
             one = call(op, x, weight)

@@ -2,8 +2,9 @@
 //   leap_sparse_cpu::bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias=None) -> y = x W^T + b
 //   leap_sparse_cpu::isa() -> the kernel in use ("avx512", "avx2" or "none")
 //   leap_sparse_cpu::set_isa(name) -> choose "auto" (the best this CPU runs), "avx512" or "avx2"
-// Up to kSparseMaxM rows of x (decode) run the sparse kernels, which read each weight's bitmap and
-// values once per call; more rows (prefill) decode tiles of W and multiply them with ATen's dense GEMM.
+// Up to kSparseMaxM rows of x (decode, small batches) run the sparse kernels, which read each weight's
+// bitmap and values once per call; more rows (prefill) decode tiles of W and multiply them with ATen's
+// dense GEMM.
 // Work is split over output rows with ATen's thread pool and thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

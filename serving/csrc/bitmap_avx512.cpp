@@ -318,7 +318,9 @@ void rows_chunked(const Problem& p, const typename Traits<D>::Value* base, int64
   const Distances ahead = block_distances<Value>(p, row_begin, row_end, 4);
   const Distances single = block_distances<Value>(p, row_begin, row_end, 1);
   const auto run = [&](const auto& blocks, int64_t row, const Distances* first) {
-    for (int64_t m0 = 0; m0 < p.m; m0 += chunk) blocks[smaller(chunk, p.m - m0) - 1](p, base, row, m0, m0 == 0 ? first : nullptr);
+    for (int64_t m0 = 0; m0 < p.m; m0 += chunk) {
+      blocks[smaller(chunk, p.m - m0) - 1](p, base, row, m0, m0 == 0 ? first : nullptr);
+    }
   };
   int64_t row = row_begin;
   for (; row + 4 <= row_end; row += 4) run(Direct<D, 4, 1, kWideChunkM>::blocks, row, &ahead);

@@ -50,6 +50,11 @@ class SparseCheckpointExporter(Exporter):
 
     # ------------------------------------------------------------------------ writer
 
+    def encode_layer(self, source: Run, name: str, weight: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One pruned weight in the codec's tensors (a target with more than weight and mask overrides)."""
+        return self.codec.encode(weight, mask)
+
     def write(self, source: Run, out: Path, options: ExportOptions) -> Written:
         config = source_config(source)
         tensors = load_tensors(source.path)
@@ -70,7 +75,7 @@ class SparseCheckpointExporter(Exporter):
                 raise LeapctlError(f"mask for {name} has shape {tuple(mask.shape)}, "
                                    f"weight has {tuple(tensor.shape)}")
             try:
-                encoded = self.codec.encode(tensor, mask)
+                encoded = self.encode_layer(source, name, tensor, mask)
             except ValueError as exc:
                 raise LeapctlError(f"cannot encode {name} as {self.name}: {exc}") from None
             layer = name.removesuffix(".weight")
@@ -206,7 +211,7 @@ class SparseCheckpointExporter(Exporter):
             else:
                 mask = reference.masks.masks[weight_name]
                 detail = bit_difference(decoded, masked_weight(reference.weight(weight_name), mask))
-                if not detail and "bitmap" in parts and self.codec_name == "bitmap":
+                if not detail and "bitmap" in parts and self.codec_name in ("bitmap", "bitmap-q4"):
                     stored_mask = unpack_rows(parts["bitmap"], decoded.shape[1])
                     if not torch.equal(stored_mask, mask):
                         detail = (f"bitmap differs from the reference mask at "

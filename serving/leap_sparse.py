@@ -33,6 +33,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
@@ -84,9 +85,15 @@ class LeapSparseConfig(QuantizationConfig):
         return cls(LeapSparseSettings.from_config(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
+        """Sparse linears, and lm_head when the checkpoint stores it in the format (bitmap-q4 with
+        `quantize --lm-head`: its 4-bit codes, every weight kept); what `ignore` names stays dense."""
+        skipped = is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping, match_mode="suffix")
+        if isinstance(layer, ParallelLMHead) and not skipped:
+            self._layers_expected += 1
+            return LeapSparseLinearMethod(self)
         if not isinstance(layer, LinearBase):
             return None
-        if is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping, match_mode="suffix"):
+        if skipped:
             return UnquantizedLinearMethod()
         self._layers_expected += 1
         return LeapSparseLinearMethod(self)
@@ -221,6 +228,12 @@ def _this_rank(layer: torch.nn.Module, index: int, size: int, full: BitmapWeight
     """This tensor-parallel rank's part of one projection: a row range of column-parallel layers (k/v
     heads may be replicated over ranks), a column range of row-parallel ones, all of a replicated one."""
     name = f"leap_sparse: {layer.prefix} (shard {index})"
+    if isinstance(layer, ParallelLMHead):  # split by vocabulary rows
+        if full.rows != size * layer.tp_size or full.n_cols != layer.leap_input_size:
+            raise ValueError(f"{name} is {full.rows}x{full.n_cols}, the model expects "
+                             f"{size * layer.tp_size}x{layer.leap_input_size} (a vocabulary padded to the "
+                             f"ranks is not supported)")
+        return full.slice_rows(layer.tp_rank * size, (layer.tp_rank + 1) * size)
     if isinstance(layer, RowParallelLinear):
         cols = layer.input_size_per_partition
         if full.rows != size or full.n_cols != layer.leap_input_size:

@@ -14,6 +14,7 @@ import torch
 from leapctl.errors import LeapctlError
 from leapctl.exporters.base import Report, ValidateOptions, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
+from leapctl.quantize import LM_HEAD
 from leapctl.runs import Run
 from serving.contract import LeapSparseSettings
 
@@ -34,6 +35,20 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
         if source.scales is None:
             raise LeapctlError(f"{source.spec} is not quantized (no leapctl/scales.safetensors): run "
                                f"`leapctl quantize {source.spec} --out DIR` and export DIR")
+
+    def encoded_weights(self, run: Run, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pruned weights, and lm_head with every weight kept when the run quantized it (a tied lm_head
+        has no tensor of its own: it gets the embedding's, which holds the same grid values)."""
+        masks = dict(run.masks.masks)
+        if run.scales is not None and LM_HEAD in run.scales:
+            if LM_HEAD not in tensors:
+                tied = [n for n, t in tensors.items() if n.endswith("embed_tokens.weight")
+                        and tuple(t.shape) == tuple(run.scales[LM_HEAD].shape[:1]) + (t.shape[1],)]
+                if not tied:
+                    raise LeapctlError("the run quantized lm_head but holds neither it nor a tied embedding")
+                tensors[LM_HEAD] = tensors[tied[0]]
+            masks[LM_HEAD] = torch.ones(tensors[LM_HEAD].shape, dtype=torch.bool)
+        return masks
 
     def encode_layer(self, source: Run, name: str, weight: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -107,9 +107,28 @@ def quantize_model(model: nn.Module, mask_set: MaskSet, method: str = "gptq", gr
     return QUANTIZERS[method](model, mask_set, group_size, calib_ids, **options)
 
 
-def quantization_entry(bits: int, group_size: int, method: str) -> dict:
+LM_HEAD = "lm_head.weight"
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module, group_size: int) -> torch.Tensor:
+    """lm_head's weight on the grid, every entry kept (a tied input embedding is the same tensor, so it
+    takes the same values); returns its fp16 scales."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise LeapctlError("--lm-head: the model has no lm_head")
+    if head.weight.shape[1] % group_size:
+        raise LeapctlError(f"--lm-head: --group-size {group_size} does not divide the {head.weight.shape[1]} "
+                           f"input columns of lm_head")
+    everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
+    weight, scales = rtn_quantize(head.weight, everything, group_size)
+    head.weight.copy_(weight.to(head.weight.dtype))
+    return scales.cpu()
+
+
+def quantization_entry(bits: int, group_size: int, method: str, lm_head: bool = False) -> dict:
     """What a quantized run's report says about its grid (export and validate read it)."""
-    return {"bits": bits, "group_size": group_size, "method": method, "format": FORMAT,
+    return {"bits": bits, "group_size": group_size, "method": method, "format": FORMAT, "lm_head": lm_head,
             "grid": f"scale * (code - {GRID_OFFSET}), code in 0..15, fp16 scale per row and group"}
 
 
@@ -138,9 +157,12 @@ def quantize_run(config: QuantizeConfig) -> dict:
     options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
                                                        progress=config.progress)
     scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
+    if config.lm_head:
+        scales[LM_HEAD] = quantize_lm_head(model, config.group_size)
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
-              "quantization": quantization_entry(config.bits, config.group_size, config.method),
+              "quantization": quantization_entry(config.bits, config.group_size, config.method,
+                                                 config.lm_head),
               "calibration": calibration, "device": config.device,
               "quantize_seconds": round(time.perf_counter() - started, 3)}
     mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
@@ -149,4 +171,4 @@ def quantize_run(config: QuantizeConfig) -> dict:
         return save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
 
 
-__all__ = ["QUANTIZERS", "QuantizeConfig", "quantization_entry", "quantize_model", "quantize_run"]
+__all__ = ["LM_HEAD", "QUANTIZERS", "QuantizeConfig", "quantization_entry", "quantize_model", "quantize_run"]

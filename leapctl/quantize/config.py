@@ -22,6 +22,10 @@ class QuantizeConfig:
                                   "pruned layer's columns (32, 64 or 128).")
     method: str = setting("gptq", "gptq (error compensation with the mask fixed, calibrated block by "
                                   "block) or rtn (round to nearest, no calibration).")
+    lm_head: bool = setting(False, "Also put lm_head on the 4-bit grid (round to nearest, every weight "
+                                   "kept; a tied input embedding shares its values): on small models it is "
+                                   "a large share of the bytes a decode step reads.",
+                            flag="--lm-head/--no-lm-head")
     calib: str = setting("wiki-summaries", "Calibration text for gptq: file, folder, .jsonl, saved dataset, "
                                            "wiki-summaries or generated.")
     nsamples: int = setting(128, "Calibration sequences (gptq).")

@@ -107,7 +107,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's process: alive
     return True
 
 

@@ -194,8 +194,9 @@ def learn_masks(config: LearnConfig) -> LearnResult:
                 save_file(learned.stats["logits"], str(tmp / LOGITS_FILE))
         if not config.keep_checkpoint:
             clear_state(state_dir)
-            with contextlib.suppress(OSError):
-                state_dir.rmdir()  # only when nothing else is in it
+            if config.checkpoint_dir is None:  # the default folder is ours; a named one stays
+                with contextlib.suppress(OSError):
+                    state_dir.rmdir()  # only when nothing else is in it
     _shutdown(distributed)
     return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=state_dir)
 

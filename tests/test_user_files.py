@@ -127,6 +127,16 @@ def test_learn_keeps_a_user_folder_given_as_checkpoint_dir(tmp_path, calib):
     assert snapshot(keep) == {"photo.jpg": b"\xff\xd8 not a checkpoint"}
 
 
+def test_learn_accepts_the_state_a_kill_during_its_first_write_left(tmp_path, calib):
+    """A run killed while writing its token stream leaves only a temporary file: that is learn's own."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / ".tokens.u32.tmp-12345").write_bytes(b"\0" * 8)
+    proc = leapctl("learn", tmp_path / "no-model", "--sparsity", "0.5", "--out", tmp_path / "o", "--calib",
+                   calib, "--checkpoint-dir", state)
+    assert "no-model" in one_error_line(proc)  # past the state folder's check, refused for the model
+
+
 def test_learn_overwrite_keeps_the_old_checkpoint_when_the_new_run_cannot_start(stories260k_dir, calib,
                                                                                  tmp_path):
     """On main `--overwrite` deleted the old checkpoint before reading --calib: a typo lost it."""

@@ -206,8 +206,9 @@ STATE_ENTRIES = (TOKENS_FILE, TOKENS_INFO, METRICS_FILE, INIT_MASKS_FILE, CHECKP
 
 
 def check_state_dir(state_dir: Path, out: Path, inputs: tuple[Path | str | None, ...]) -> None:
-    """The state folder must be missing, empty or one that `learn` wrote (a token stream or a checkpoint),
-    apart from the output folder and the inputs: it is cleared on --overwrite and after success."""
+    """The state folder must be missing, empty or hold only what `learn` writes (a token stream, checkpoints,
+    a killed run's temporary files), apart from the output folder and the inputs: it is cleared on
+    --overwrite and after success."""
     if state_dir.exists() and not state_dir.is_dir():
         raise LeapctlError(f"checkpoint folder {state_dir} exists and is not a folder")
     where, target = state_dir.resolve(), out.resolve()
@@ -217,11 +218,15 @@ def check_state_dir(state_dir: Path, out: Path, inputs: tuple[Path | str | None,
         if given is not None and Path(given).exists() and (where == Path(given).resolve()
                                                            or where in Path(given).resolve().parents):
             raise LeapctlError(f"checkpoint folder {state_dir} is or contains this command's input {given}")
-    if not state_dir.is_dir() or not any(state_dir.iterdir()):
-        return
-    if not any((state_dir / name).exists() for name in (TOKENS_FILE, TOKENS_INFO, CHECKPOINT_INDEX)):
+    if state_dir.is_dir() and not all(_written_by_learn(entry) for entry in state_dir.iterdir()):
         raise LeapctlError(f"checkpoint folder {state_dir} holds files that learn did not write; it must be "
                            f"empty, missing or an earlier learn's checkpoint")
+
+
+def _written_by_learn(entry: Path) -> bool:
+    """A state folder entry learn writes: its files, checkpoint folders and the temporary files of both."""
+    return (entry.name in STATE_ENTRIES or entry.name.startswith(FOLDER_PREFIX)
+            or (entry.name.startswith(".") and ".tmp-" in entry.name))
 
 
 def clear_state(state_dir: Path) -> None:
@@ -229,9 +234,7 @@ def clear_state(state_dir: Path) -> None:
     if not state_dir.is_dir():
         return
     for entry in state_dir.iterdir():
-        ours = (entry.name in STATE_ENTRIES or entry.name.startswith(FOLDER_PREFIX)
-                or (entry.name.startswith(".") and ".tmp-" in entry.name))
-        if not ours:
+        if not _written_by_learn(entry):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

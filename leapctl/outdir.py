@@ -56,9 +56,11 @@ def _inside(inner: Path, outer: Path) -> bool:
 
 
 def check_output_dir(out: Path, overwrite: bool, inputs: Iterable[Path | str | None] = ()) -> None:
-    """Refuse an output path that is a file, is or contains one of the command's `inputs` (those that
-    exist), or is a non-empty folder unless `overwrite` is set and leapctl wrote it."""
+    """Refuse an output path that is a file or a link, is or contains one of the command's `inputs` (those
+    that exist), or is a non-empty folder unless `overwrite` is set and leapctl wrote it."""
     out = Path(out)
+    if out.is_symlink():  # replacing it would replace the link, and leave or remove the wrong folder
+        raise LeapctlError(f"output path {out} is a symbolic link; name the folder it points to")
     if out.exists() and not out.is_dir():
         raise LeapctlError(f"output path {out} exists and is not a folder")
     target = out.resolve()

@@ -93,6 +93,16 @@ def test_overwrite_refuses_a_folder_leapctl_did_not_write(tmp_path):
     assert hidden_leftovers(tmp_path) == []
 
 
+def test_an_output_path_that_is_a_link_is_refused(tmp_path):
+    target = tmp_path / "real"
+    target.mkdir()
+    (target / "manifest.json").write_text(json.dumps({"manifest_format": "leapctl.export/1"}))
+    (tmp_path / "link").symlink_to(target, target_is_directory=True)
+    with pytest.raises(LeapctlError, match="symbolic link"), atomic_output_dir(tmp_path / "link", True):
+        pass
+    assert (tmp_path / "link").resolve() == target and (target / "manifest.json").is_file()
+
+
 def test_export_overwrite_refuses_its_own_input_and_a_folder_holding_it(pruned):
     """`export runs/p --out runs --overwrite` deleted runs/ whole on main, the source run with it."""
     runs = pruned.parent

@@ -378,7 +378,7 @@ def main() -> None:
                 "--chat-template", PLAIN_CHAT_TEMPLATE, *flags]
 
     def leapctl_serve(port: int) -> list[str]:
-        return server_command(export_dir, "127.0.0.1", port, None, 1,
+        return server_command(export_dir, "127.0.0.1", port, 1,
                               ["--served-model-name", "sparse", *flags])
 
     servers = {"dense": run_server("dense", stock, args, texts, greedy),

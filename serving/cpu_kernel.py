@@ -1,5 +1,7 @@
 """The native CPU sparse linear kernel (C++ in `serving/csrc`): built once into a cache folder, loaded as
-the torch op `torch.ops.leap_sparse_cpu.bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias)`.
+the torch op `torch.ops.leap_sparse_cpu.bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias,
+checked=False)`; `checked=True` skips its per-call check of every row offset, for a caller that checked the
+weight once (the vLLM layer does at load).
 
 The op reads the `bitmap` serving layout as stored (no repacking), so tensor-parallel slices and
 `leapctl validate` use the same tensors. It picks its instruction set at run time: AVX-512 (with
@@ -113,7 +115,7 @@ def _register_fake() -> None:
     """Shapes for torch.compile, which then keeps the op as one opaque call."""
 
     @torch.library.register_fake("leap_sparse_cpu::bitmap_linear")
-    def _(x, bitmap, values, row_offsets, n_cols, bias=None):
+    def _(x, bitmap, values, row_offsets, n_cols, bias=None, checked=False):
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
 

@@ -155,6 +155,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
             full = weight_class.from_tensors(self.config.fmt, parts)
             shards.append(_this_rank(layer, index, size, full))
         weight = weight_class.cat_rows(shards).to(device, layer.leap_params_dtype)
+        weight.check()  # once, at load: the native op is then told the layout is checked
         for name in names:
             delattr(layer, name)
         del layer.leap_parts
@@ -206,7 +207,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
             return tiled_bitmap_linear(x, tensors, names, n_rows, bias)
         if layer.leap_native and x.dtype == layer.values.dtype:
             return torch.ops.leap_sparse_cpu.bitmap_linear(x, layer.bitmap, layer.values, layer.row_offsets,
-                                                           layer.leap_n_cols, bias)
+                                                           layer.leap_n_cols, bias, checked=True)
         return bitmap_linear(x, layer.bitmap, layer.values, layer.row_offsets, layer.leap_n_cols, bias)
 
 

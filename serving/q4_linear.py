@@ -68,6 +68,11 @@ class Q4Weight:
         return cls(tensors["bitmap"], tensors["codes"], tensors["scales"], tensors["row_offsets"],
                    int(tensors["shape"][1]))
 
+    def check(self) -> None:
+        """The whole layout (offsets, counts, padding, scales), as the format checks it; raises its error.
+        Layers run it once at load, after slicing and stacking."""
+        Q4.check({name: t.cpu() for name, t in self.tensors().items()})
+
     def _row_end(self, row: int) -> int:
         return int(self.row_offsets[row]) if row < self.rows else self.codes.numel()
 

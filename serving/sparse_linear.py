@@ -98,6 +98,13 @@ class BitmapWeight:
             return cls(pack_rows(mask), tensors["values"], row_ptr[:-1].clone(), n_cols)
         raise ValueError(f"leap_sparse serves the bitmap and csr formats, not {fmt!r}")
 
+    def check(self) -> None:
+        """The layout the native op trusts with `checked=True`: bitmap shape, each row's offset where the
+        rows before it end (so never decreasing and inside `values`); raises the format's error."""
+        get_format("bitmap").check({"shape": torch.tensor([self.rows, self.n_cols]),
+                                    "bitmap": self.bitmap.cpu(), "values": self.values.cpu(),
+                                    "row_offsets": self.row_offsets.cpu()})
+
     def _row_end(self, row: int) -> int:
         return int(self.row_offsets[row]) if row < self.rows else self.values.numel()
 

@@ -1,5 +1,6 @@
 """Shared fixtures: the real stories260K model from ../shared/assets and tiny random models."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,13 @@ ASSETS = assets_dir()
 
 
 def require_asset(relative: str) -> Path:
-    """Path of a shared asset; skip the test with a reason when the assets are not beside the repo."""
+    """Path of a shared asset; skip the test with a reason when the assets are not beside the repo, or fail
+    it where they must be (`LEAPCTL_REQUIRE_ASSETS=1`, as `.ci/run` sets)."""
     if ASSETS is None or not (ASSETS / relative).exists():
-        pytest.skip(f"shared asset {relative} not found (set LEAPCTL_ASSETS)")
+        message = f"shared asset {relative} not found (set LEAPCTL_ASSETS)"
+        if os.environ.get("LEAPCTL_REQUIRE_ASSETS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     return ASSETS / relative
 
 

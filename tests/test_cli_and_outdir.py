@@ -1,5 +1,6 @@
 """The CLI's error contract (one line, exit 2, no traceback) and atomic output folders."""
 
+import json
 import stat
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 
 from leapctl import __version__
 from leapctl.errors import LeapctlError
+from leapctl.exporters.base import MANIFEST_FORMAT
 from leapctl.outdir import atomic_output_dir
 
 
@@ -54,10 +56,11 @@ def test_atomic_dir_appears_only_on_success(tmp_path):
 def test_atomic_dir_refuses_non_empty_without_overwrite_and_replaces_with_it(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "old.txt").write_text("old")
+    # an export folder as leapctl writes it: the only kind (with run folders) --overwrite replaces
+    (out / "manifest.json").write_text(json.dumps({"manifest_format": MANIFEST_FORMAT}))
     with pytest.raises(LeapctlError, match="not empty"), atomic_output_dir(out):
         pass
-    assert (out / "old.txt").exists()
+    assert (out / "manifest.json").exists()
     with atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -188,6 +188,52 @@ def test_bad_input_is_refused_with_a_message(op):
         torch.ops.leap_sparse_cpu.set_isa("sse")
 
 
+def corrupt_offset(weight: BitmapWeight, row: int, value: int) -> BitmapWeight:
+    offsets = weight.row_offsets.clone()
+    offsets[row] = value
+    return BitmapWeight(weight.bitmap, weight.values, offsets, weight.n_cols)
+
+
+def test_a_corrupt_middle_row_offset_is_refused(op, isa):
+    """Issue 20: main checked only the first and the last offset; one in the middle shifted a row's values
+    (wrong numbers, silently) or pointed outside `values`. Row 4 of 8 starting one value late, or before the
+    row above it: each is named, on a direct call of the op as existing callers make it (six arguments)."""
+    _, weight = sparse_weight(8, 40, 0.5, torch.float32)
+    x = torch.randn(2, 40)
+    start = int(weight.row_offsets[4])
+    for value in (start + 1, int(weight.row_offsets[3]) - 1):
+        expected = rf"row_offsets\[4\] is {value}, but the bitmap puts that row's first value at {start}"
+        with pytest.raises(RuntimeError, match=expected):
+            call(op, x, corrupt_offset(weight, 4, value))
+
+
+def test_an_offset_far_outside_values_is_an_error_not_a_crash(op):
+    """On main an offset of 2**40 in the middle crashed the process (exit 139)."""
+    code = ("import torch; from serving import cpu_kernel; assert cpu_kernel.load()\n"
+            "from test_cpu_kernel import corrupt_offset, sparse_weight\n"
+            "_, w = sparse_weight(8, 40, 0.5, torch.float32); w = corrupt_offset(w, 4, 2**40)\n"
+            "op = torch.ops.leap_sparse_cpu.bitmap_linear\n"
+            "try:\n"
+            "    op(torch.randn(2, 40), w.bitmap, w.values, w.row_offsets, 40)\n"
+            "except RuntimeError as exc:\n"
+            "    print(str(exc).splitlines()[0])\n")
+    done = run_python(code, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"row_offsets[4] is {2**40}" in done.stdout
+
+
+def test_checked_weights_skip_the_per_call_check(op, isa):
+    """The layer checks its weight once at load (`BitmapWeight.check`) and says so with `checked=True`; the
+    result is the same as a checked call's."""
+    _, weight = sparse_weight(37, 173, 0.5, torch.bfloat16)
+    weight.check()
+    x = torch.randn(3, 173).bfloat16()
+    checked = op(x, weight.bitmap, weight.values, weight.row_offsets, 173, None, checked=True)
+    assert torch.equal(checked, call(op, x, weight))
+    with pytest.raises(ValueError, match=r"row_offsets\[4\]"):
+        corrupt_offset(weight, 4, int(weight.row_offsets[4]) + 1).check()
+
+
 def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
     dense, weight = sparse_weight(12, 30, 0.4, torch.float32)
     args = (torch.randn(4, 30), weight.bitmap, weight.values, weight.row_offsets, 30, torch.randn(12))
@@ -202,10 +248,12 @@ def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
         torch.testing.assert_close(compiled(x), torch.relu(x @ dense.T))
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
-                          env={**os.environ, "PYTHONPATH": repo, **env}, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, **env}, timeout=300)
 
 
 def test_environment_variable_chooses_the_kernel(op):

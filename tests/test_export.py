@@ -204,8 +204,13 @@ def test_bad_input_is_one_line_and_writes_nothing(pruned_run, stories260k_dir, t
     (occupied / "keep.txt").write_text("x")
     assert run_cli("export", pruned_run, "--format", "bitmap", "--out", occupied) == 2
     assert "not empty" in capsys.readouterr().err and (occupied / "keep.txt").exists()
+    # --overwrite replaces only a folder leapctl wrote (issue 20)
+    assert run_cli("export", pruned_run, "--format", "bitmap", "--out", occupied, "--overwrite") == 2
+    assert "not written by leapctl" in capsys.readouterr().err and (occupied / "keep.txt").exists()
+    (occupied / "keep.txt").unlink()
+    assert run_cli("export", pruned_run, "--format", "csr", "--out", occupied) == 0
     assert run_cli("export", pruned_run, "--format", "bitmap", "--out", occupied, "--overwrite") == 0
-    assert not (occupied / "keep.txt").exists() and (occupied / "manifest.json").exists()
+    assert json.loads((occupied / "manifest.json").read_text())["format"] == "bitmap"
 
     assert run_cli("export", stories260k_dir, "--format", "bitmap", "--out", tmp_path / "x") == 2
     assert "--masks" in capsys.readouterr().err

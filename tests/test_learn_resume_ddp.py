@@ -111,6 +111,41 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bit_for_bit(stories260
     assert not state.exists()
 
 
+# `leapctl learn ARGS` that sends itself SIGKILL on the Nth call of the function named POINT (qualified name).
+KILL_ON_CALL = """
+import os, signal, sys
+point, wanted = sys.argv[1], int(sys.argv[2])
+calls = 0
+def hook(frame, event, arg):
+    global calls
+    if event == "call" and frame.f_code.co_qualname == point:
+        calls += 1
+        if calls == wanted:
+            os.kill(os.getpid(), signal.SIGKILL)
+sys.setprofile(hook)
+from leapctl.cli import main
+sys.argv = ["leapctl", "learn", *sys.argv[3:]]
+main()
+"""
+
+
+def test_sigkill_during_a_checkpoint_write_then_resume_matches(stories260k_dir, calib, uninterrupted,
+                                                               tmp_path):  # fmt: skip
+    """Issue 20: killed while DCP writes the second checkpoint's tensors (the first, of step 2, complete):
+    the torn folder is never the current one, and the resumed run ends bit for bit like the whole one."""
+    out = tmp_path / "torn"
+    args = _args(stories260k_dir, calib, out)
+    state = Path(f"{out}.learn-state")
+    proc = subprocess.run([sys.executable, "-c", KILL_ON_CALL, "HuggingFaceStorageWriter.write_data", "2",
+                           *args], env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert json.loads((state / "checkpoint.json").read_text())["step"] == 2
+    assert len(list(state.glob("ckpt-*"))) == 2  # the current one and the torn one
+    _learn(*args, "--resume")
+    _assert_same_run(uninterrupted, out)
+    assert not state.exists()
+
+
 def test_sigterm_checkpoints_and_resume_matches(stories260k_dir, calib, uninterrupted, tmp_path):
     out = tmp_path / "stopped"
     args = _args(stories260k_dir, calib, out)

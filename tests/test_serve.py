@@ -77,11 +77,32 @@ def server(checkpoints, dense_answers, tmp_path_factory):
     running = start_leapctl_serve(sparse_dir, tmp_path_factory.mktemp("logs") / "sparse.log", api_key=API_KEY)
     yield running
     if running.process.poll() is None:  # the two-rank tests stop it earlier
-        stop_leapctl_serve(running)
+        stop_leapctl_serve(running, signal.SIGHUP)  # a closed terminal stops the group as SIGTERM does
 
 
 def call(server, path, body=None, api_key=API_KEY):
     return http("POST" if body is not None else "GET", f"{server.base}{path}", body, api_key=api_key)
+
+
+def test_the_api_key_is_on_no_command_line(server):
+    """Issue 20: on main `--api-key KEY` was passed on to vLLM's command line, readable with ps."""
+    from pathlib import Path
+
+    pid = server.process.pid
+    leader = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    group = [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+             if _pgid(stat) == leader]
+    assert leader in group
+    for member in [pid, *group]:
+        assert API_KEY.encode() not in Path(f"/proc/{member}/cmdline").read_bytes(), member
+    assert f"VLLM_API_KEY={API_KEY}".encode() in Path(f"/proc/{leader}/environ").read_bytes().split(b"\0")
+
+
+def _pgid(stat) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def test_models_lists_the_export(server):

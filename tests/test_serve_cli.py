@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leapctl.serve import PLAIN_CHAT_TEMPLATE, READY_PREFIX, server_command
+from leapctl.serve import PLAIN_CHAT_TEMPLATE, READY_PREFIX, server_command, server_env
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 so that greedy answers can be compared token for token; eager to skip torch.compile warm-up.
@@ -160,9 +160,8 @@ def start_leapctl_serve(export_dir: Path, log_path: Path, *, api_key: str | None
     port = free_port()
     argv = [sys.executable, "-m", "leapctl", "serve", str(export_dir), "--port", str(port),
             "--tensor-parallel-size", str(tp)]
-    if api_key:
-        argv += ["--api-key", api_key]
-    server = Server(argv + ["--", *TEST_VLLM_ARGS, *(extra or [])], log_path, port)
+    env = {"LEAPCTL_API_KEY": api_key} if api_key else None  # as the help advises: not on a command line
+    server = Server(argv + ["--", *TEST_VLLM_ARGS, *(extra or [])], log_path, port, env=env)
     server.wait_ready(ready_line=f"{READY_PREFIX}http://127.0.0.1:{port}/v1")
     return server
 
@@ -300,16 +299,109 @@ def test_serve_refuses_a_checkpoint_that_is_not_leap_sparse(small_export, tmp_pa
 
 def test_server_command_passes_options_and_lets_extra_args_override(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    command = server_command(tmp_path / "my-export", "0.0.0.0", 9001, "k", 2, ["--max-model-len", "64"])
+    command = server_command(tmp_path / "my-export", "0.0.0.0", 9001, 2, ["--max-model-len", "64"])
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(command)
     assert "--host 0.0.0.0 --port 9001 --tensor-parallel-size 2" in joined
-    assert "--served-model-name my-export" in joined and "--api-key k" in joined
+    assert "--served-model-name my-export" in joined
     assert command[-2:] == ["--max-model-len", "64"]
     assert "--chat-template" in command  # no template in the export: the plain one is passed
-    named = server_command(tmp_path, "h", 1, None, 1, ["--served-model-name", "x", "--chat-template", "t"])
+    named = server_command(tmp_path, "h", 1, 1, ["--served-model-name", "x", "--chat-template", "t"])
     assert named.count("--served-model-name") == 1 and named.count("--chat-template") == 1
-    assert "--api-key" not in named
+
+
+def test_the_api_key_goes_to_vllm_through_its_environment(tmp_path):
+    """Issue 20: on main the key was on vLLM's command line, which every local user reads with ps."""
+    command = server_command(tmp_path, "127.0.0.1", 9001, 1)
+    assert "--api-key" not in command
+    assert server_env(1, "secret-key")["VLLM_API_KEY"] == "secret-key"
+
+
+@pytest.fixture(scope="module")
+def servable_export(stories260k_dir, tmp_path_factory):
+    """A bitmap export that passes every check serve makes before starting vLLM (head size 32)."""
+    root = tmp_path_factory.mktemp("servable")
+    return build_checkpoints(save_tiny_llama(root / "tiny", stories260k_dir), root, "bitmap")[1]
+
+
+class OtherServer:
+    """Another program's HTTP server on a port, answering 200 to everything (/health included)."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        import http.server
+        import threading
+
+        class Answer(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the http.server interface)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer((host, 0), Answer)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_serve_refuses_a_port_another_server_holds(servable_export, capsys, monkeypatch):
+    """Issue 20: on main vLLM was started anyway and "ready" announced, because the other server answered
+    /health."""
+    with OtherServer() as other:
+        status, stderr = run_cli(capsys, monkeypatch, str(servable_export), "--port", str(other.port))
+    assert status == 2, stderr
+    assert stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{other.port}: Address already in use (another server? choose "
+        f"another --port)"]
+
+
+def test_ready_means_our_own_child_listens(tmp_path):
+    """A /health answer from another program on the port is not our server being ready."""
+    from leapctl.serve import _ready
+
+    with OtherServer() as other:
+        ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        try:
+            assert not _ready(ours, f"http://127.0.0.1:{other.port}", other.port)
+        finally:
+            ours.kill()
+            ours.wait()
+    port = free_port()
+    (tmp_path / "health").write_text("ok")  # so that the child's file server answers /health with 200
+    listening = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(listening, f"http://127.0.0.1:{port}", port):
+            assert time.monotonic() < deadline and listening.poll() is None
+            time.sleep(0.1)
+    finally:
+        listening.kill()
+        listening.wait()
+
+
+def test_a_non_loopback_bind_without_a_key_warns_in_one_line(servable_export, capsys, monkeypatch):
+    monkeypatch.delenv("LEAPCTL_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with OtherServer("0.0.0.0") as other:  # the port is taken, so no vLLM starts after the warning
+        status, stderr = run_cli(capsys, monkeypatch, str(servable_export), "--host", "0.0.0.0", "--port",
+                                 str(other.port))
+        lines = stderr.strip().splitlines()
+        assert status == 2 and len(lines) == 2 and lines[1].startswith("error: cannot listen"), stderr
+        assert lines[0] == ("warning: serving on 0.0.0.0 without an API key: anyone who can reach this "
+                            "address can use the model (set LEAPCTL_API_KEY)")
+        monkeypatch.setenv("LEAPCTL_API_KEY", "secret-key")
+        status, stderr = run_cli(capsys, monkeypatch, str(servable_export), "--host", "0.0.0.0", "--port",
+                                 str(other.port))
+        assert status == 2 and stderr.strip().splitlines()[0].startswith("error: cannot listen"), stderr
 
 
 def test_dockerfile_passes_hadolint():

@@ -7,7 +7,7 @@ import torch
 
 from serving.sparse_linear import BitmapWeight, bitmap_linear
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
 
 def random_sparse(rows: int, cols: int, density: float, dtype=torch.float32, seed: int = 0):
@@ -22,6 +22,19 @@ def random_sparse(rows: int, cols: int, density: float, dtype=torch.float32, see
     return weight, mask, BitmapWeight(bitmap, values, row_offsets, cols)
 
 
+def excess_error(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias) -> float:
+    """How far the worst output lies beyond its rounding bound (<= 0: within): per output one rounding of
+    x W^T and one of the result to the output dtype, plus the fp32 summation bound K * 2^-23 * sum |x w|
+    (the bound of tests/test_cpu_kernel.py). A per-output bound, not one scaled by the largest output: a
+    kept weight dropped from one sum must not hide under the other outputs' size."""
+    product = x.double() @ dense.double().T
+    expected = product + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ dense.double().abs().T
+    ulp = 2.0 ** (1 - MANTISSA_BITS[got.dtype])
+    bound = ulp * (expected.abs() + product.abs()) + dense.shape[1] * 2.0 ** -23 * magnitude + 1e-30
+    return ((got.double() - expected).abs() - bound).max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(16, 64), (37, 173), (5, 3)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -30,11 +43,21 @@ def test_bitmap_linear_equals_dense_masked_matmul(dtype, shape, with_bias):
     weight, mask, packed = random_sparse(rows, cols, 0.5, dtype)
     x = torch.randn(2, 7, cols).to(dtype)
     bias = torch.randn(rows).to(dtype) if with_bias else None
-    expected = x.double() @ (weight * mask).double().T + (0 if bias is None else bias.double())
     got = bitmap_linear(x, packed.bitmap, packed.values, packed.row_offsets, cols, bias)
     assert got.shape == (2, 7, rows) and got.dtype == dtype
-    scale = expected.abs().max().item() + 1
-    assert (got.double() - expected).abs().max().item() <= TOLERANCE[dtype] * scale * cols ** 0.5
+    assert excess_error(got, x, weight * mask, bias) <= 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_bound_catches_a_kept_weight_zeroed(dtype):
+    """Issue 20: main's bf16 tolerance (2e-2 x the largest output x sqrt(K)) passed this fault. Zeroing the
+    largest kept weight changes each output of its row by |x w|, many roundings of the result."""
+    weight, mask, packed = random_sparse(37, 173, 0.5, dtype)
+    x = torch.randn(2, 7, 173).to(dtype)
+    values = packed.values.clone()
+    values[values.float().abs().argmax()] = 0
+    got = bitmap_linear(x, packed.bitmap, values, packed.row_offsets, 173)
+    assert excess_error(got, x, weight * mask, None) > 0
 
 
 @pytest.mark.parametrize("density", [0.0, 1.0])

@@ -1,7 +1,8 @@
 """`leapctl validate`: an intact export of every format passes every check; each kind of damage (truncated
 shard, flipped byte, dropped tensor, edited row offset, unlisted file, misplaced index entry, unexpected
 tensor, changed dense tensor, a bitmap that differs from the reference mask, differing logits, other masks,
-a wrong serving op, no reference at all) fails and names its file or tensor."""
+a wrong serving op, no reference at all) fails and names its file or tensor; a manifest naming files outside
+the folder is refused, and validate asks no server unless --reference says so."""
 
 import json
 import shutil
@@ -322,3 +323,85 @@ def test_a_bad_kernel_choice_is_one_error_line(bitmap_export, monkeypatch, capsy
     monkeypatch.setenv("LEAP_SPARSE_CPU_ISA", "auto")
     monkeypatch.setattr(cpu_kernel, "_status", None)
     assert cpu_kernel.load()
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "/ABSOLUTE", "sub/../../outside.txt", "./config.json"])
+def test_manifest_names_must_stay_inside_the_folder(bitmap_export, tmp_path, capsys, name):
+    """Issue 20: on main a manifest listing `../x` or an absolute path had that file opened and hashed."""
+    moved = Path(shutil.copytree(bitmap_export, tmp_path / "export"))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a file of the user's, beside the export")
+    from leapctl.exporters.base import sha256_file
+
+    listed = str(outside) if name == "/ABSOLUTE" else name
+    manifest_path = moved / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][listed] = {"sha256": sha256_file(outside), "bytes": outside.stat().st_size}
+    manifest_path.write_text(json.dumps(manifest))
+    from leapctl.errors import LeapctlError
+
+    with pytest.raises(LeapctlError, match="not a plain relative name inside the folder"):
+        validate(moved, end_to_end=False)
+    assert run_cli("validate", moved, "--no-end-to-end") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and repr(listed) in lines[0]
+
+
+def test_a_listed_file_that_is_a_link_out_of_the_folder_fails(damaged, tmp_path):
+    from leapctl.exporters.base import sha256_file
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the export")
+    (damaged / "tokenizer.model.link").symlink_to(outside)
+    manifest_path = damaged / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["tokenizer.model.link"] = {"sha256": sha256_file(outside),
+                                                 "bytes": outside.stat().st_size}
+    manifest_path.write_text(json.dumps(manifest))
+    assert ("files", "tokenizer.model.link", "a link (leapctl writes none; it is not followed)") in failed(
+        validate(damaged, end_to_end=False))
+
+
+def test_validate_asks_no_server_unless_a_reference_is_given(bitmap_export, tmp_path):
+    """Issue 20: on main a manifest whose source was a hub id made validate fetch it. A local server stands
+    in for the hub (HF_ENDPOINT) and records every request."""
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    requests: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the http.server interface)
+            requests.append(self.path)
+            self.send_error(404)
+
+        do_HEAD = do_GET  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    moved = Path(shutil.copytree(bitmap_export, tmp_path / "moved"))
+    manifest_path = moved / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["source"]["path"] = "some-org/some-model"
+    manifest_path.write_text(json.dumps(manifest))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HOME": str(tmp_path / "hf")}
+
+    def validate_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "leapctl", "validate", str(moved), "--no-end-to-end",
+                               *args], env=env, capture_output=True, text=True, timeout=300)
+
+    try:
+        proc = validate_cli()
+        assert proc.returncode == 1 and "nothing was compared" in proc.stdout, proc.stdout + proc.stderr
+        assert requests == []
+        validate_cli("--reference", "some-org/some-model")  # asked for: the hub is asked
+        assert requests != []
+    finally:
+        server.shutdown()

@@ -31,7 +31,7 @@ def export(
     from leapctl.export import export as run_export
     from leapctl.outdir import check_output_dir
 
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, (source, masks))
     console = Console(stderr=True)
     with console.status(f"exporting {source} as {fmt}"):
         manifest = run_export(source, fmt, out, masks=masks, overwrite=overwrite,

@@ -14,7 +14,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 inside a container)."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     api_key: str = typer.Option(None, envvar="LEAPCTL_API_KEY",
-                                help="Require this key (Authorization: Bearer KEY) on /v1 requests."),
+                                help="Require this key (Authorization: Bearer KEY) on /v1 requests. Prefer "
+                                     "the LEAPCTL_API_KEY variable: a command line is visible to every "
+                                     "local user (ps); vLLM gets the key through its environment."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1,
                                              help="Number of tensor-parallel ranks."),
 ) -> None:

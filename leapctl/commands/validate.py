@@ -13,7 +13,8 @@ def validate(
     export_dir: Path = typer.Argument(..., help="Folder written by `leapctl export`."),
     reference: str | None = typer.Option(None, "--reference",
                                          help="Run folder or model to compare with (default: the source "
-                                              "recorded in manifest.json)."),
+                                              "recorded in manifest.json when it is a local folder; a hub "
+                                              "id is fetched only when named here)."),
     max_new_tokens: int = typer.Option(12, "--max-new-tokens", help="Greedy tokens generated per prompt."),
     end_to_end: bool = typer.Option(True, "--end-to-end/--no-end-to-end",
                                     help="Compare logits and greedy generations with the reference model."),

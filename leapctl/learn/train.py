@@ -41,6 +41,8 @@ from leapctl.compute import resolve_device
 from leapctl.data import calibration_batch, corpus_ids, sample_windows
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
+    CHECKPOINT_INDEX,
+    FOLDER_PREFIX,
     has_checkpoint,
     load_tensors,
     read_checkpoint,
@@ -52,7 +54,7 @@ from leapctl.learn.config import PRESET_VALUES, LearnConfig
 from leapctl.learn.loss import language_model_and_distillation, regularisers
 from leapctl.learn.mask import MaskState, attach_masks, detach_masks, hard_masks, init_logits, soft_mask
 from leapctl.learn.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
-from leapctl.learn.stream import WindowStream, open_token_file, write_token_file
+from leapctl.learn.stream import TOKENS_FILE, TOKENS_INFO, WindowStream, open_token_file, write_token_file
 from leapctl.masks import MaskSet, apply_masks, load_masks, save_masks
 from leapctl.models import load_model, model_layout
 from leapctl.outdir import atomic_output_dir, check_output_dir
@@ -130,7 +132,9 @@ def learn_masks(config: LearnConfig) -> LearnResult:
     state_dir = config.state_dir()
 
     # ---------------------------------------------------------------- refuse bad starts before any work
-    check_output_dir(Path(config.out), config.overwrite)
+    inputs = (config.model, config.calib, config.init_masks)
+    check_output_dir(Path(config.out), config.overwrite, inputs)
+    check_state_dir(state_dir, Path(config.out), inputs)
     if config.resume:
         read_checkpoint(state_dir, config.fingerprint(_autocast(config, device)))
     elif has_checkpoint(state_dir) and not config.overwrite:
@@ -138,32 +142,30 @@ def learn_masks(config: LearnConfig) -> LearnResult:
             f"an unfinished run's checkpoint exists in {state_dir}: pass --resume to continue "
             f"it or --overwrite to start over"
         )
-    _barrier(distributed)
-    if master and not config.resume and state_dir.exists():
-        shutil.rmtree(state_dir)  # --overwrite: the old run is given up only now that the new one is valid
-    _barrier(distributed)
 
     # ---------------------------------------------------------------- model, token stream, initial mask
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
     model, tokenizer = load_model(config.model, device=device)
     scales = _quantize_frozen(model, config)
-    if not config.resume:
-        if master:
-            write_token_file(state_dir, training_corpus(config, model, tokenizer))
-        _barrier(distributed)
-    corpus = open_token_file(state_dir)
     init = None
-    if not config.resume and config.init != "random" and config.init_masks is None:
-        # Wanda on `nsamples` windows of the calibration source, as `leapctl prune --method wanda` computes it
-        if master:
+    if not config.resume and master:
+        # Everything that reads the user's inputs comes first: an old checkpoint (--overwrite) is given up
+        # only once the new run has its token stream and initial mask in hand.
+        ids = training_corpus(config, model, tokenizer)
+        if config.init != "random" and config.init_masks is None:
+            # Wanda on `nsamples` windows of the calibration source, as `leapctl prune --method wanda` does
             calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
                                       model=model)
             init = _wanda(model, calib, config, device)
-            if distributed:
-                save_masks(state_dir / INIT_MASKS_FILE, init)
-        _barrier(distributed)
-        if not master:
-            init = load_masks(state_dir / INIT_MASKS_FILE)
+        clear_state(state_dir)
+        write_token_file(state_dir, ids)
+        del ids
+        if distributed and init is not None:
+            save_masks(state_dir / INIT_MASKS_FILE, init)
+    _barrier(distributed)
+    corpus = open_token_file(state_dir)
+    if not config.resume and not master and config.init != "random" and config.init_masks is None:
+        init = load_masks(state_dir / INIT_MASKS_FILE)
 
     try:
         learned = leap_masks(model, tokenizer, corpus, config, init=init)
@@ -181,7 +183,7 @@ def learn_masks(config: LearnConfig) -> LearnResult:
         model = model.to("cpu").eval()
         metrics = [json.loads(line) for line in (state_dir / METRICS_FILE).read_text().splitlines() if line]
         report = _report(config, learned.stats, metrics)
-        with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
+        with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
             from leapctl.learn.plots import plot_density_per_block, plot_losses
 
             block_density = _density_per_block(model, learned.masks)
@@ -199,7 +201,10 @@ def learn_masks(config: LearnConfig) -> LearnResult:
             if config.save_logits:
                 save_file(learned.stats["logits"], str(tmp / LOGITS_FILE))
         if not config.keep_checkpoint:
-            shutil.rmtree(state_dir, ignore_errors=True)
+            clear_state(state_dir)
+            if config.checkpoint_dir is None:  # the default folder is ours; a named one stays
+                with contextlib.suppress(OSError):
+                    state_dir.rmdir()  # only when nothing else is in it
     _shutdown(distributed)
     return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=state_dir)
 
@@ -217,6 +222,47 @@ def _quantize_frozen(model: torch.nn.Module, config: LearnConfig) -> dict[str, t
                                 for name, linear in linears.items()})
     check_group_size(everything, config.group_size)
     return rtn_scales(model, everything, config.group_size)
+
+
+# What a state folder holds; only these are ever removed from it (--checkpoint-dir may name a user's folder).
+STATE_ENTRIES = (TOKENS_FILE, TOKENS_INFO, METRICS_FILE, INIT_MASKS_FILE, CHECKPOINT_INDEX, "tensorboard")
+
+
+def check_state_dir(state_dir: Path, out: Path, inputs: tuple[Path | str | None, ...]) -> None:
+    """The state folder must be missing, empty or hold only what `learn` writes (a token stream, checkpoints,
+    a killed run's temporary files), apart from the output folder and the inputs: it is cleared on
+    --overwrite and after success."""
+    if state_dir.exists() and not state_dir.is_dir():
+        raise LeapctlError(f"checkpoint folder {state_dir} exists and is not a folder")
+    where, target = state_dir.resolve(), out.resolve()
+    if where == target or where in target.parents or target in where.parents:
+        raise LeapctlError(f"checkpoint folder {state_dir} overlaps the output folder {out}")
+    for given in inputs:
+        if given is not None and Path(given).exists() and (where == Path(given).resolve()
+                                                           or where in Path(given).resolve().parents):
+            raise LeapctlError(f"checkpoint folder {state_dir} is or contains this command's input {given}")
+    if state_dir.is_dir() and not all(_written_by_learn(entry) for entry in state_dir.iterdir()):
+        raise LeapctlError(f"checkpoint folder {state_dir} holds files that learn did not write; it must be "
+                           f"empty, missing or an earlier learn's checkpoint")
+
+
+def _written_by_learn(entry: Path) -> bool:
+    """A state folder entry learn writes: its files, checkpoint folders and the temporary files of both."""
+    return (entry.name in STATE_ENTRIES or entry.name.startswith(FOLDER_PREFIX)
+            or (entry.name.startswith(".") and ".tmp-" in entry.name))
+
+
+def clear_state(state_dir: Path) -> None:
+    """Remove what learn writes into a state folder (and its checkpoint folders); nothing else."""
+    if not state_dir.is_dir():
+        return
+    for entry in state_dir.iterdir():
+        if not _written_by_learn(entry):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _start_processes(config: LearnConfig, world: int) -> torch.device:

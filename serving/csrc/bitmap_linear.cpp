@@ -1,5 +1,8 @@
 // The torch ops of the native CPU sparse linear layer:
-//   leap_sparse_cpu::bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias=None) -> y = x W^T + b
+//   leap_sparse_cpu::bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias=None, checked=False)
+//       -> y = x W^T + b. Unless `checked` (the caller checked this weight's layout once, as the vLLM layer
+//       does at load), every row offset is checked against the bitmap's popcounts first: a corrupt offset
+//       would otherwise read outside `values`.
 //   leap_sparse_cpu::isa() -> the kernel in use ("avx512", "avx2" or "none")
 //   leap_sparse_cpu::set_isa(name) -> choose "auto" (the best this CPU runs), "avx512" or "avx2"
 // Up to kSparseMaxM rows of x (decode, small batches) run the sparse kernels, which read each weight's
@@ -131,7 +134,7 @@ int64_t first_unpadded_row(const int64_t* offsets, int64_t rows, int64_t n_value
 
 at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                          const at::Tensor& row_offsets, int64_t n_cols,
-                         const std::optional<at::Tensor>& bias) {
+                         const std::optional<at::Tensor>& bias, bool checked) {
   const Isa isa = current_isa();
   TORCH_CHECK(isa != Isa::None, "leap_sparse_cpu: this CPU has neither AVX2 (with FMA and F16C) nor AVX-512");
   TORCH_CHECK(x.device().is_cpu() && bitmap.device().is_cpu() && values.device().is_cpu() &&
@@ -165,6 +168,15 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   TORCH_CHECK(offset[0] == 0 && offset[rows - 1] + popcount_row(last_row, stride) == n_values,
               "leap_sparse_cpu::bitmap_linear: row_offsets and bitmap do not account for the ", n_values,
               " values (check the layout with sparse_formats.get_format('bitmap').check)");
+  if (!checked) {
+    // Each row starts where the rows before it end (so offsets never decrease and stay in `values`).
+    int64_t start = 0;
+    for (int64_t row = 0; row < rows; ++row) {
+      TORCH_CHECK(offset[row] == start, "leap_sparse_cpu::bitmap_linear: row_offsets[", row, "] is ",
+                  offset[row], ", but the bitmap puts that row's first value at ", start);
+      start += popcount_row(bits.data_ptr<uint8_t>() + row * stride, stride);
+    }
+  }
 
   at::Tensor x2 = x.reshape({m, n_cols});
   if (n_cols > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
@@ -246,7 +258,7 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
 
 TORCH_LIBRARY(leap_sparse_cpu, m) {
   m.def("bitmap_linear(Tensor x, Tensor bitmap, Tensor values, Tensor row_offsets, int n_cols, "
-        "Tensor? bias=None) -> Tensor");
+        "Tensor? bias=None, bool checked=False) -> Tensor");
   m.def("isa() -> str", &leap_sparse::isa_op);
   m.def("set_isa(str name) -> str", &leap_sparse::set_isa_op);
 }

@@ -199,3 +199,10 @@ def test_export_of_an_unquantized_run_is_refused(wanda_run, tmp_path):
     done = leapctl("export", str(wanda_run), "--format", "bitmap-q4", "--out", str(tmp_path / "never"))
     assert done.returncode == 2 and "is not quantized" in done.stderr and done.stderr.count("\n") == 1
     assert not (tmp_path / "never").exists()
+
+
+def test_quantize_never_replaces_its_own_run(wanda_run, tmp_path):
+    before = sorted(p.name for p in wanda_run.iterdir())
+    done = leapctl("quantize", str(wanda_run), "--method", "rtn", "--out", str(wanda_run), "--overwrite")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert sorted(p.name for p in wanda_run.iterdir()) == before

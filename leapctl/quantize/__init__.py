@@ -141,7 +141,8 @@ def quantize_run(config: QuantizeConfig) -> dict:
     from leapctl.runs import read_run, save_run
 
     config.validate()
-    check_output_dir(Path(config.out), config.overwrite)
+    inputs = (config.run, config.calib)
+    check_output_dir(Path(config.out), config.overwrite, inputs)
     source = read_run(config.run)
     if source.scales is not None:
         raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
@@ -167,7 +168,7 @@ def quantize_run(config: QuantizeConfig) -> dict:
               "quantize_seconds": round(time.perf_counter() - started, 3)}
     mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
                        extra={**source.masks.extra, "quantized": config.method})
-    with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
+    with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
         return save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
 
 

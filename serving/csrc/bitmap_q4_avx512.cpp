@@ -63,8 +63,9 @@ struct Decoder {
   inline __m512i word(uint32_t mask, const uint8_t* codes) const {
     const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     __m512i packed = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(shifts, pairs), levels);
-    __m512i fresh = _mm512_setzero_si512();
-    asm("" : "+v"(packed), "+v"(fresh));
+    __m512i fresh;
+    asm("vpxord %0, %0, %0" : "=v"(fresh));  // a zero idiom per expand, not a copy of one zero register
+    asm("" : "+v"(packed));
     return _mm512_mask_expand_epi16(fresh, static_cast<__mmask32>(mask), packed);
   }
 };

@@ -13,6 +13,21 @@
 // Blocks of R weight rows are walked word by word, each word decoded once and multiplied with up to 8
 // rows of x; above 8 rows of x, blocks of 2 rows run chunks of up to 4 rows of x, the first keeping the
 // decoded words in a buffer for the others, so every weight is read from memory once per call.
+//
+// What bounds it (1 thread, Zen 5 at about 3.75 GHz, measured on this machine kind): at M = 1 the kernel
+// is compute-bound, not memory-bound. It takes about 1.0 ns (3.8 cycles) per word and weight row whether
+// the weights come from cache (256x2048) or from DRAM (2048x2048 rotated), which is 13 GB/s of weights at
+// 50% against 35 GB/s that torch.sum reads; 80% of that would need 0.44 ns per word. The cost is in the
+// shuffle-class instructions of decoding: throughputs measured alone (independent chains) are about 1 per
+// cycle for vpexpandw zmm, 2 for vpermw and vdpbf16ps, 1.4 for vpmultishiftqb; a stand-alone copy of the
+// loop took 0.5-1.0 ns per word with expand and dp alone, 0.4-0.7 with the decode but no expand. Tried
+// without gain: vbroadcasti32x4 + vpshufb + vpsrlvw in place of vpmovzxwq + vpmultishiftqb (1.07 against
+// 1.01 ns per word), blocks of 2, 3 or 8 rows at M = 1 (within 4%), the buffered chunks for M = 6..8
+// (within 5%, same-process A/B). Dropping the software prefetch saved 2% in cache (kept: it is what
+// bitmap_avx512.cpp needed from DRAM; not re-measured from DRAM here).
+// Above M = 1 the group folds add M/2 multiply-adds per word (G = 64) to the M dot products on the same
+// pipes, and each weight row still pays its decode: from M = 4 the bf16 bitmap op, which only expands,
+// is faster (bench/results/cpu_kernels_q4.md).
 #include <immintrin.h>
 
 #include <cstdlib>

@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,serve
 
-.PHONY: demo test test-quick lint cpu-kernel bench-quality clean-venv
+.PHONY: demo test test-quick lint cpu-kernel bench-quality bench-setup clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,22 @@ test-quick: cpu-kernel
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+# Competitors for bench/serve_q4.py, never part of the install or CI: llama.cpp through llama-cpp-python
+# (built from its source package with cmake, about 8 min on 2 cores) with its OpenAI-compatible server, in a
+# venv of its own so that its server's dependencies cannot move vLLM's; llama.cpp's HF-to-GGUF converter from
+# the same source package.
+BENCH_VENV ?= .venv-bench
+LLAMA_CPP_VERSION ?= 0.3.36
+bench-setup: $(VENV)/.installed
+	test -x $(BENCH_VENV)/bin/python || python3 -m venv $(BENCH_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BENCH_VENV)/bin/pip install -q --no-binary llama-cpp-python \
+		"llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
+	mkdir -p $(BENCH_VENV)/llama.cpp
+	$(PIP) download -q --no-deps --no-binary :all: "llama-cpp-python==$(LLAMA_CPP_VERSION)" -d $(BENCH_VENV)/src
+	tar -xzf $(BENCH_VENV)/src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(BENCH_VENV)/llama.cpp \
+		--strip-components=3 --wildcards "*/vendor/llama.cpp/convert_hf_to_gguf.py" \
+		"*/vendor/llama.cpp/gguf-py" "*/vendor/llama.cpp/conversion"  # run with PYTHONPATH=$(BENCH_VENV)/llama.cpp/gguf-py
 
 clean-venv:
 	rm -rf $(VENV)

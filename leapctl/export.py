@@ -44,6 +44,7 @@ def export(spec: str, fmt: str, out: Path, masks: Path | None = None, overwrite:
     requested = dtype_from_name(dtype) if dtype is not None else None
     max_bytes = parse_size(max_shard_size)
     source = read_run(spec, masks)
+    exporter.check_source(source)
     cast, reason = exporter.cast_for(pruned_dtype(source), requested)
     if reason and notify is not None:
         notify(reason)

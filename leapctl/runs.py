@@ -5,6 +5,8 @@ and `learn --init-masks` read. This module is its one owner: layout, writing, re
     RUN/report.json                                   how it was made, achieved sparsity
     RUN/leapctl/masks.safetensors                     packed keep-masks (leapctl.masks)
     RUN/leapctl/mask_logits.safetensors               learn --save-logits
+    RUN/leapctl/scales.safetensors                    quantize, learn --bits: fp16 scales of the 4-bit
+                                                      grid the kept weights sit on (sparse_formats.bitmap_q4)
 
 The top level is an ordinary Hugging Face checkpoint that stock transformers and vLLM load as it is. The
 mask files sit one folder down because vLLM loads every `*.safetensors` at the top of a folder that has no
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from leapctl import __version__
 from leapctl.errors import LeapctlError
@@ -26,6 +29,7 @@ from leapctl.outdir import atomic_output_dir, check_output_dir
 LEAPCTL_DIR = "leapctl"
 MASKS_FILE = f"{LEAPCTL_DIR}/masks.safetensors"
 LOGITS_FILE = f"{LEAPCTL_DIR}/mask_logits.safetensors"
+SCALES_FILE = f"{LEAPCTL_DIR}/scales.safetensors"
 LEGACY_MASKS_FILE = "masks.safetensors"
 REPORT_FILE = "report.json"
 
@@ -40,6 +44,12 @@ class Run:
     masks_file: Path
     masks: MaskSet
     report: dict
+    scales: dict[str, torch.Tensor] | None = None  # per weight name, when the kept weights are quantized
+
+    @property
+    def quantization(self) -> dict | None:
+        """The report's quantization entry (bits, group size, method) of a quantized run, else None."""
+        return self.report.get("quantization") if self.scales is not None else None
 
 
 def masks_file(run_dir: Path) -> Path | None:
@@ -75,17 +85,23 @@ def read_run(spec: str | Path, masks: Path | None = None) -> Run:
                            f"pass its masks with --masks FILE")
     report_path = path / REPORT_FILE
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    return Run(spec=str(spec), path=path, masks_file=found.resolve(), masks=load_masks(found), report=report)
+    scales_path = path / SCALES_FILE
+    scales = load_file(scales_path) if masks is None and scales_path.is_file() else None
+    return Run(spec=str(spec), path=path, masks_file=found.resolve(), masks=load_masks(found), report=report,
+               scales=scales)
 
 
-def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict) -> dict:
-    """Write the masked checkpoint, the masks and the report into `out_dir` (an atomic temp folder);
-    returns the report as written."""
+def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict,
+             scales: dict[str, torch.Tensor] | None = None) -> dict:
+    """Write the masked checkpoint, the masks, the quantization scales if any and the report into
+    `out_dir` (an atomic temp folder); returns the report as written."""
     apply_masks(model, mask_set)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / LEAPCTL_DIR).mkdir(exist_ok=True)
     save_masks(out_dir / MASKS_FILE, mask_set)
+    if scales is not None:
+        save_file({name: scale.contiguous() for name, scale in scales.items()}, str(out_dir / SCALES_FILE))
     full = run_report(mask_set, report)
     (out_dir / REPORT_FILE).write_text(json.dumps(full, indent=2) + "\n")
     return full

@@ -17,6 +17,7 @@ QUANT_METHOD = "leap_sparse"
 SERVABLE_FORMATS: dict[str, tuple[str, ...]] = {
     "bitmap": ("shape", "bitmap", "values", "row_offsets"),
     "csr": ("shape", "values", "col_indices", "row_ptr"),
+    "bitmap-q4": ("shape", "bitmap", "codes", "scales", "row_offsets"),
 }
 # Keep dense weights at load (prefill-heavy traffic): "1" in the environment, or `decode_dense: true`.
 DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
@@ -56,9 +57,9 @@ def serving_problem(quantization_config: dict | None) -> str | None:
     method = (quantization_config or {}).get("quant_method")
     if method != QUANT_METHOD:
         return (f"not a {QUANT_METHOD} serving checkpoint (quant_method {method!r}); export it with "
-                f"--format bitmap or csr")
+                f"--format bitmap, bitmap-q4 or csr")
     fmt = quantization_config.get("format")
     if fmt not in SERVABLE_FORMATS:
-        return (f"format {fmt!r} is not servable; the plugin serves {' and '.join(SERVABLE_FORMATS)} "
+        return (f"format {fmt!r} is not servable; the plugin serves {', '.join(SERVABLE_FORMATS)} "
                 f"(export with --format bitmap)")
     return None

@@ -10,6 +10,8 @@ gate/up shard); `process_weights_after_loading` then cuts this rank's slice, sta
 replaces the placeholders with the runtime tensors. Merged layers arrive through the model's
 stacked-params mapping: `q_proj.bitmap` is loaded into `qkv_proj.bitmap` with shard id "q".
 
+`bitmap-q4` layers (4-bit codes of the kept weights and fp16 scales, `serving.q4_linear`) load the same way.
+
 Compute: on CPU the native kernel (`serving.cpu_kernel`, built ahead by `make` or once when the model
 loads) reads the stored layout directly; where it cannot be built, one warning line says so and the layers
 decode their weight on every call. On CUDA the Triton tiled-bitmap kernel; `LEAP_SPARSE_DECODE_DENSE=1`
@@ -31,17 +33,22 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
 from serving.contract import QUANT_METHOD, SERVABLE_FORMATS, LeapSparseSettings
+from serving.q4_linear import Q4Weight, bitmap_q4_linear
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under "vllm" so that vLLM's log handlers show it
 
 _INDEX_DTYPES = {"shape": torch.int64, "bitmap": torch.uint8, "row_offsets": torch.int64,
-                 "col_indices": torch.int32, "row_ptr": torch.int64}
+                 "col_indices": torch.int32, "row_ptr": torch.int64, "codes": torch.uint8,
+                 "scales": torch.float16}
+# The runtime weight of each servable format (the loader's placeholders only stash what they receive).
+_WEIGHTS = {"bitmap": BitmapWeight, "csr": BitmapWeight, "bitmap-q4": Q4Weight}
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
@@ -78,9 +85,15 @@ class LeapSparseConfig(QuantizationConfig):
         return cls(LeapSparseSettings.from_config(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
+        """Sparse linears, and lm_head when the checkpoint stores it in the format (bitmap-q4 with
+        `quantize --lm-head`: its 4-bit codes, every weight kept); what `ignore` names stays dense."""
+        skipped = is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping, match_mode="suffix")
+        if isinstance(layer, ParallelLMHead) and not skipped:
+            self._layers_expected += 1
+            return LeapSparseLinearMethod(self)
         if not isinstance(layer, LinearBase):
             return None
-        if is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping, match_mode="suffix"):
+        if skipped:
             return UnquantizedLinearMethod()
         self._layers_expected += 1
         return LeapSparseLinearMethod(self)
@@ -129,8 +142,9 @@ class LeapSparseLinearMethod(LinearMethodBase):
             layer.register_parameter(name, placeholder)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        device = layer.values.device
         names = SERVABLE_FORMATS[self.config.fmt]
+        device = getattr(layer, names[1]).device
+        weight_class = _WEIGHTS[self.config.fmt]
         shards = []
         for index, size in enumerate(layer.leap_output_partition_sizes):
             parts = layer.leap_parts.get(index, {})
@@ -138,17 +152,20 @@ class LeapSparseLinearMethod(LinearMethodBase):
             if missing:
                 raise ValueError(f"leap_sparse: {layer.prefix} (shard {index}) has no {', '.join(missing)} "
                                  f"in the checkpoint")
-            full = BitmapWeight.from_tensors(self.config.fmt, parts)
+            full = weight_class.from_tensors(self.config.fmt, parts)
             shards.append(_this_rank(layer, index, size, full))
-        weight = BitmapWeight.cat_rows(shards).to(device, layer.leap_params_dtype)
+        weight = weight_class.cat_rows(shards).to(device, layer.leap_params_dtype)
         for name in names:
             delattr(layer, name)
         del layer.leap_parts
 
-        dense_bytes = weight.rows * weight.n_cols * weight.values.element_size()
+        dense_bytes = weight.rows * weight.n_cols * layer.leap_params_dtype.itemsize
         if self.config.decode_dense:
-            layer.weight = Parameter(weight.dense(), requires_grad=False)
+            layer.weight = Parameter(weight.dense().to(layer.leap_params_dtype), requires_grad=False)
             self.config.record_loaded_layer(dense_bytes, dense_bytes)
+            return
+        if isinstance(weight, Q4Weight):
+            self._hold_q4(layer, weight, device, dense_bytes)
             return
         layer.bitmap = Parameter(weight.bitmap, requires_grad=False)
         layer.values = Parameter(weight.values, requires_grad=False)
@@ -165,10 +182,25 @@ class LeapSparseLinearMethod(LinearMethodBase):
                 delattr(layer, name)
         self.config.record_loaded_layer(bytes_held, dense_bytes)
 
+    def _hold_q4(self, layer: torch.nn.Module, weight: Q4Weight, device: torch.device,
+                 dense_bytes: int) -> None:
+        """bitmap-q4 stays as stored: the native CPU op reads it, elsewhere it is decoded per call."""
+        for name, tensor in weight.tensors().items():
+            if name != "shape":
+                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+        layer.leap_n_cols = weight.n_cols
+        layer.leap_q4 = True
+        layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
+        self.config.record_loaded_layer(weight.nbytes(), dense_bytes)
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.decode_dense:
             return F.linear(x, layer.weight, bias)
+        if getattr(layer, "leap_q4", False):
+            native = layer.leap_native and x.dtype in (torch.bfloat16, torch.float32)
+            op = torch.ops.leap_sparse_cpu.bitmap_q4_linear if native else bitmap_q4_linear
+            return op(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets, layer.leap_n_cols, bias)
         if layer.leap_tiled is not None:
             tensors, names, n_rows = layer.leap_tiled
             return tiled_bitmap_linear(x, tensors, names, n_rows, bias)
@@ -192,10 +224,16 @@ def _stash_loader(layer: torch.nn.Module, name: str):
     return load
 
 
-def _this_rank(layer: torch.nn.Module, index: int, size: int, full: BitmapWeight) -> BitmapWeight:
+def _this_rank(layer: torch.nn.Module, index: int, size: int, full: BitmapWeight | Q4Weight):
     """This tensor-parallel rank's part of one projection: a row range of column-parallel layers (k/v
     heads may be replicated over ranks), a column range of row-parallel ones, all of a replicated one."""
     name = f"leap_sparse: {layer.prefix} (shard {index})"
+    if isinstance(layer, ParallelLMHead):  # split by vocabulary rows
+        if full.rows != size * layer.tp_size or full.n_cols != layer.leap_input_size:
+            raise ValueError(f"{name} is {full.rows}x{full.n_cols}, the model expects "
+                             f"{size * layer.tp_size}x{layer.leap_input_size} (a vocabulary padded to the "
+                             f"ranks is not supported)")
+        return full.slice_rows(layer.tp_rank * size, (layer.tp_rank + 1) * size)
     if isinstance(layer, RowParallelLinear):
         cols = layer.input_size_per_partition
         if full.rows != size or full.n_cols != layer.leap_input_size:

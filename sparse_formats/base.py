@@ -11,6 +11,7 @@ import torch
 
 class SparseFormat(Protocol):
     name: str
+    lossless: bool  # decode(encode(w, m)) == w * m bit for bit; False for quantized formats (bitmap-q4)
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Encode `weight * mask` (mask: bool, same shape as the 2-D weight)."""
@@ -37,6 +38,11 @@ def get_format(name: str) -> SparseFormat:
     if name not in FORMATS:
         raise KeyError(f"unknown sparse format {name!r} (known: {', '.join(sorted(FORMATS))})")
     return FORMATS[name]
+
+
+def lossless_formats() -> list[str]:
+    """Names of the formats whose round trip is exact for any weight, mask, shape and dtype."""
+    return sorted(name for name, fmt in FORMATS.items() if fmt.lossless)
 
 
 def nbytes(tensors: dict[str, torch.Tensor]) -> int:

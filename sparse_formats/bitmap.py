@@ -36,6 +36,7 @@ DECODE_BLOCK = 1 << 20  # weights per decode block
 
 class BitmapFormat:
     name = "bitmap"
+    lossless = True
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Row counts come from the packed bitmap (`np.bitwise_count`, one pass over 1/8 of the bytes),

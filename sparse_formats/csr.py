@@ -30,6 +30,7 @@ from sparse_formats.errors import FormatError
 
 class CsrFormat:
     name = "csr"
+    lossless = True
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Blocks of rows as in `bitmap`, on its thread pool: row counts first, so every block knows where

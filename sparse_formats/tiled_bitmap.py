@@ -72,6 +72,7 @@ def _group_counts(bitmap: torch.Tensor) -> np.ndarray:
 
 class TiledBitmapFormat:
     name = "tiled-bitmap"
+    lossless = True
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """A group's 64 words are bytes 8gj..8gj+7 of its 64 rows in the row-packed bitmap, so the bitmap

@@ -104,6 +104,7 @@ def _encode_tiles(kept: np.ndarray, bits: np.ndarray, padding: np.ndarray, out: 
 
 class TiledCslFormat:
     name = "tiled-csl"
+    lossless = True
 
     def encode(self, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Tile counts (hence padding and offsets) come from one `packbits` of the mask: a tile is 128

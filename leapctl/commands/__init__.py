@@ -6,6 +6,7 @@ from leapctl.commands import (  # noqa: F401
     export,
     learn,
     prune,
+    quantize,
     serve,
     validate,
 )

@@ -1,9 +1,9 @@
 """Export targets, one module each, registered by name (as vLLM registers quantization methods):
-`leap_sparse` (bitmap, csr), `tiled` (tiled-csl, tiled-bitmap), `compressed_tensors` and `onnx`.
+`leap_sparse` (bitmap, csr), `bitmap_q4`, `tiled` (tiled-csl, tiled-bitmap), `compressed_tensors` and `onnx`.
 `get_exporter(name)` is what `leapctl export` and `leapctl validate` use."""
 
 from leapctl.errors import LeapctlError
-from leapctl.exporters import compressed_tensors, leap_sparse, onnx, tiled  # noqa: F401  (registration)
+from leapctl.exporters import bitmap_q4, compressed_tensors, leap_sparse, onnx, tiled  # noqa: F401  (registration)
 from leapctl.exporters.base import EXPORTERS, Exporter, register
 
 

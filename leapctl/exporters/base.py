@@ -113,6 +113,11 @@ class Exporter(ABC):
               options: ValidateOptions) -> None:
         """Add this target's checks to `report` (the files check has already run)."""
 
+    def check_source(self, source: Run) -> None:
+        """Raise LeapctlError when this target cannot export `source` at all (before anything is written);
+        most targets export any run."""
+        return None
+
     def cast_for(self, source: torch.dtype, requested: torch.dtype | None) -> tuple[torch.dtype | None, str]:
         """The dtype to cast the weights to (None: keep them) and, when that was not asked for, why."""
         if requested is not None:

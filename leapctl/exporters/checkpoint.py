@@ -50,10 +50,20 @@ class SparseCheckpointExporter(Exporter):
 
     # ------------------------------------------------------------------------ writer
 
+    def encoded_weights(self, run: Run, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weight name -> keep-mask of every weight stored in the codec's layout: the run's pruned weights
+        (a target that also stores dense layers that way adds them, and their tensors, here)."""
+        return run.masks.masks
+
+    def encode_layer(self, source: Run, name: str, weight: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One pruned weight in the codec's tensors (a target with more than weight and mask overrides)."""
+        return self.codec.encode(weight, mask)
+
     def write(self, source: Run, out: Path, options: ExportOptions) -> Written:
         config = source_config(source)
         tensors = load_tensors(source.path)
-        masks = source.masks.masks
+        masks = self.encoded_weights(source, tensors)
         for name in masks:
             if name not in tensors:
                 raise LeapctlError(f"the masks name {name}, which {source.spec} does not have")
@@ -70,7 +80,7 @@ class SparseCheckpointExporter(Exporter):
                 raise LeapctlError(f"mask for {name} has shape {tuple(mask.shape)}, "
                                    f"weight has {tuple(tensor.shape)}")
             try:
-                encoded = self.codec.encode(tensor, mask)
+                encoded = self.encode_layer(source, name, tensor, mask)
             except ValueError as exc:
                 raise LeapctlError(f"cannot encode {name} as {self.name}: {exc}") from None
             layer = name.removesuffix(".weight")
@@ -88,6 +98,8 @@ class SparseCheckpointExporter(Exporter):
         dense_names = [name for name in tensors if name not in masks]
         ignore = sorted(name for name in linear_names(config) if f"{name}.weight" not in masks)
         config_dict = config.to_dict()
+        if "lm_head.weight" in masks:  # stored in the codec's layout, so no longer the embedding's tensor
+            config_dict["tie_word_embeddings"] = False
         if options.dtype is not None:
             config_dict["dtype"] = dtype_name(options.dtype)
             config_dict.pop("torch_dtype", None)
@@ -180,6 +192,7 @@ class SparseCheckpointExporter(Exporter):
                       report: Report) -> dict[str, torch.Tensor]:
         """Format check and bit-exact decode of each pruned layer; returns the decoded weights that passed."""
         decoded_layers = {}
+        reference_masks = {} if reference is None else self.encoded_weights(reference.run, reference.tensors)
         for layer, info in manifest["layers"].items():
             parts = self.layer_tensors(layer, info, tensors)
             missing = [t for t in info["tensors"] if t not in tensors]
@@ -200,13 +213,13 @@ class SparseCheckpointExporter(Exporter):
             weight_name = f"{layer}.weight"
             if reference is None:
                 report.add("decode", layer, None, "no reference")
-            elif weight_name not in reference.masks.masks or weight_name not in reference.tensors:
+            elif weight_name not in reference_masks or weight_name not in reference.tensors:
                 report.add("decode", layer, False, f"the reference has no masked weight {weight_name}")
                 continue
             else:
-                mask = reference.masks.masks[weight_name]
+                mask = reference_masks[weight_name]
                 detail = bit_difference(decoded, masked_weight(reference.weight(weight_name), mask))
-                if not detail and "bitmap" in parts and self.codec_name == "bitmap":
+                if not detail and "bitmap" in parts and self.codec_name in ("bitmap", "bitmap-q4"):
                     stored_mask = unpack_rows(parts["bitmap"], decoded.shape[1])
                     if not torch.equal(stored_mask, mask):
                         detail = (f"bitmap differs from the reference mask at "

@@ -102,6 +102,11 @@ class LearnConfig:
                                           "masks off; the LM loss gets 1 - d (default: preset).")
     reconstruct: bool | None = setting(None, "After the hard mask, refit the kept weights by least squares "
                                              "per layer on --nsamples windows (default: preset).")
+    bits: int | None = setting(None, "Quantize the frozen weights of the masked linears to this many bits "
+                                     "(4, the bitmap-q4 grid, round to nearest) before learning, so that "
+                                     "the mask is learned against the weights that will be served.")
+    group_size: int = setting(64, "Input columns per scale with --bits (a multiple of 32 dividing the "
+                                  "columns of every masked linear).")
     init: str = setting("wanda", "wanda (+-scale), wanda-small (authors' code) or random.")
     init_scale: float | None = setting(None, "s of the +-s Wanda initialisation (default: preset).")
     init_masks: Path | None = setting(None, "Start from these masks (a prune run folder or its mask file), "
@@ -212,3 +217,14 @@ class LearnConfig:
             raise LeapctlError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.nsamples < 1:
             raise LeapctlError(f"--nsamples must be at least 1, got {self.nsamples}")
+        if self.bits is not None:
+            from leapctl.quantize.config import SUPPORTED_BITS
+
+            if self.bits not in SUPPORTED_BITS:
+                raise LeapctlError(f"--bits {self.bits} is not supported (supported: "
+                                   f"{', '.join(map(str, SUPPORTED_BITS))})")
+            if self.group_size <= 0 or self.group_size % 32:
+                raise LeapctlError(f"--group-size must be a positive multiple of 32, got {self.group_size}")
+            if self.resolved().reconstruct:
+                raise LeapctlError("--bits keeps the kept weights on their grid; --reconstruct would move "
+                                   "them off it (pass --no-reconstruct)")

@@ -146,6 +146,7 @@ def learn_masks(config: LearnConfig) -> LearnResult:
     # ---------------------------------------------------------------- model, token stream, initial mask
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
     model, tokenizer = load_model(config.model, device=device)
+    scales = _quantize_frozen(model, config)
     if not config.resume:
         if master:
             write_token_file(state_dir, training_corpus(config, model, tokenizer))
@@ -175,6 +176,7 @@ def learn_masks(config: LearnConfig) -> LearnResult:
     if master:
         if distributed and config.fsdp:  # the trained model is sharded: rank 0 prunes a fresh copy
             model, _ = load_model(config.model, device=device)
+            _quantize_frozen(model, config)
             finish_weights(model, learned, corpus, config)
         model = model.to("cpu").eval()
         metrics = [json.loads(line) for line in (state_dir / METRICS_FILE).read_text().splitlines() if line]
@@ -184,7 +186,13 @@ def learn_masks(config: LearnConfig) -> LearnResult:
 
             block_density = _density_per_block(model, learned.masks)
             report["density_per_block"] = block_density
-            save_run(tmp, model, tokenizer, learned, report)
+            kept_scales = None
+            if scales is not None:
+                from leapctl.quantize import quantization_entry
+
+                kept_scales = {name: scales[name] for name in learned.masks}
+                report["quantization"] = quantization_entry(config.bits, config.group_size, "rtn, then learn")
+            save_run(tmp, model, tokenizer, learned, report, scales=kept_scales)
             shutil.copy(state_dir / METRICS_FILE, tmp / METRICS_FILE)
             plot_density_per_block(block_density, config.density, tmp / "density_per_block.png")
             plot_losses(metrics, tmp / "loss.png")
@@ -194,6 +202,21 @@ def learn_masks(config: LearnConfig) -> LearnResult:
             shutil.rmtree(state_dir, ignore_errors=True)
     _shutdown(distributed)
     return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=state_dir)
+
+
+def _quantize_frozen(model: torch.nn.Module, config: LearnConfig) -> dict[str, torch.Tensor] | None:
+    """With --bits: every maskable weight rounded to the bitmap-q4 grid (all weights decide the scales,
+    since the mask is not known yet); the kept ones then sit on that grid whatever the mask becomes."""
+    if config.bits is None:
+        return None
+    from leapctl.quantize import check_group_size, rtn_scales
+
+    linears = model_layout(model, config.include, config.exclude).linears
+    everything = MaskSet(masks={f"{name}.weight": torch.ones(linear.weight.shape, dtype=torch.bool,
+                                                              device=linear.weight.device)
+                                for name, linear in linears.items()})
+    check_group_size(everything, config.group_size)
+    return rtn_scales(model, everything, config.group_size)
 
 
 def _start_processes(config: LearnConfig, world: int) -> torch.device:

@@ -1,0 +1,174 @@
+"""4-bit quantization of a pruned model's kept weights, on the `bitmap-q4` grid (sparse_formats.bitmap_q4):
+each kept weight becomes `scale * (code - 7.5)` with an fp16 scale per row and group of input columns.
+
+Two methods in one registry, each `run(model, mask_set, group_size, calib_ids, **options) -> scales`:
+`rtn` (round to nearest, scale searched per group) and `gptq` (GPTQ restricted to the kept weights with
+the mask fixed, calibrated block by block on the quantized blocks' outputs). Both quantize the model in
+place: its weights become the dequantized values (exact in fp32), so a quantized run folder is an
+ordinary checkpoint that eval, transformers and stock vLLM read, and `export --format bitmap-q4` turns
+it into codes and scales bit for bit. `quantize_run` is `leapctl quantize`."""
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from leapctl.errors import LeapctlError
+from leapctl.masks import MaskSet
+from leapctl.quantize.config import QuantizeConfig
+from leapctl.quantize.gptq import GPTQQuantizer
+from leapctl.quantize.rtn import rtn_quantize
+from sparse_formats.bitmap_q4 import GRID_OFFSET
+
+FORMAT = "bitmap-q4"
+
+
+def check_group_size(mask_set: MaskSet, group_size: int) -> None:
+    """One line naming the first pruned layer whose columns the group size does not divide."""
+    if group_size <= 0 or group_size % 32:
+        raise LeapctlError(f"--group-size must be a positive multiple of 32, got {group_size}")
+    for name, mask in mask_set.masks.items():
+        if mask.shape[1] % group_size:
+            raise LeapctlError(f"--group-size {group_size} does not divide the {mask.shape[1]} input columns "
+                               f"of {name}")
+
+
+def _linear(model: nn.Module, weight_name: str) -> nn.Linear:
+    return model.get_submodule(weight_name.removesuffix(".weight"))
+
+
+@torch.no_grad()
+def rtn_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids=None,
+               **_options) -> dict[str, torch.Tensor]:
+    """Round each masked layer's kept weights to nearest; no calibration."""
+    scales = {}
+    for name, mask in mask_set.masks.items():
+        linear = _linear(model, name)
+        weight, scales[name] = rtn_quantize(linear.weight, mask.to(linear.weight.device), group_size)
+        linear.weight.copy_(weight.to(linear.weight.dtype))
+        scales[name] = scales[name].cpu()
+    return scales
+
+
+class _Unchanged:
+    """A linear outside the mask set: calibrated with the others, quantized never."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def add_batch(self, inputs: torch.Tensor) -> None:
+        pass
+
+    def prune(self, sparsity: float) -> torch.Tensor:
+        return torch.ones(self.linear.weight.shape, dtype=torch.bool)
+
+
+def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids: torch.Tensor | None = None,
+                device: str | torch.device | None = None, batch_size: int = 8,
+                progress: bool = True) -> dict[str, torch.Tensor]:
+    """GPTQ with the masks fixed, block by block (`prune.sequential`), each block calibrated on what the
+    already-quantized blocks produce."""
+    from leapctl.prune.sequential import prune_sequentially
+
+    if calib_ids is None:
+        raise LeapctlError("gptq needs calibration data")
+    names = {id(_linear(model, name)): name for name in mask_set.masks}
+    scales: dict[str, torch.Tensor] = {}
+
+    def make(linear: nn.Linear):
+        name = names.get(id(linear))
+        if name is None:
+            return _Unchanged(linear)
+        mask = mask_set.masks[name].to(linear.weight.device)
+        return GPTQQuantizer(linear, mask, group_size, scales, name)
+
+    include = "|".join(re.escape(name.removesuffix(".weight")) + "$" for name in mask_set.masks)
+    prune_sequentially(model, calib_ids, make, mask_set.sparsity()["global"], "gptq 4-bit", include=include,
+                       device=device, batch_size=batch_size, progress=progress)
+    return scales
+
+
+QUANTIZERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {"gptq": gptq_scales, "rtn": rtn_scales}
+
+
+def quantize_model(model: nn.Module, mask_set: MaskSet, method: str = "gptq", group_size: int = 64,
+                   calib_ids: torch.Tensor | None = None, **options) -> dict[str, torch.Tensor]:
+    """Quantize the kept weights of every masked layer in place (the model must be fp32: the grid values
+    are exact only there); returns the fp16 scales per weight name."""
+    if method not in QUANTIZERS:
+        raise LeapctlError(f"unknown quantization method {method!r} (choose from {', '.join(QUANTIZERS)})")
+    check_group_size(mask_set, group_size)
+    dtypes = {_linear(model, name).weight.dtype for name in mask_set.masks}
+    if dtypes != {torch.float32}:
+        raise LeapctlError(f"quantize needs the model in float32, got {sorted(map(str, dtypes))}")
+    return QUANTIZERS[method](model, mask_set, group_size, calib_ids, **options)
+
+
+LM_HEAD = "lm_head.weight"
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module, group_size: int) -> torch.Tensor:
+    """lm_head's weight on the grid, every entry kept (a tied input embedding is the same tensor, so it
+    takes the same values); returns its fp16 scales."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise LeapctlError("--lm-head: the model has no lm_head")
+    if head.weight.shape[1] % group_size:
+        raise LeapctlError(f"--lm-head: --group-size {group_size} does not divide the {head.weight.shape[1]} "
+                           f"input columns of lm_head")
+    everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
+    weight, scales = rtn_quantize(head.weight, everything, group_size)
+    head.weight.copy_(weight.to(head.weight.dtype))
+    return scales.cpu()
+
+
+def quantization_entry(bits: int, group_size: int, method: str, lm_head: bool = False) -> dict:
+    """What a quantized run's report says about its grid (export and validate read it)."""
+    return {"bits": bits, "group_size": group_size, "method": method, "format": FORMAT, "lm_head": lm_head,
+            "grid": f"scale * (code - {GRID_OFFSET}), code in 0..15, fp16 scale per row and group"}
+
+
+def quantize_run(config: QuantizeConfig) -> dict:
+    """`leapctl quantize`: read a run folder, quantize its kept weights and write a new run folder
+    atomically; returns the report. Every bad setting fails before the model loads."""
+    from leapctl.data import calibration_batch
+    from leapctl.models import load_model
+    from leapctl.outdir import atomic_output_dir, check_output_dir
+    from leapctl.runs import read_run, save_run
+
+    config.validate()
+    check_output_dir(Path(config.out), config.overwrite)
+    source = read_run(config.run)
+    if source.scales is not None:
+        raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
+    check_group_size(source.masks, config.group_size)
+    model, tokenizer = load_model(str(source.path), dtype=torch.float32)
+    calib_ids, calibration = None, None
+    if config.method == "gptq":
+        calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+                                      model=model, text_field=config.text_field)
+        calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
+                       "seed": config.seed, "tokens": int(calib_ids.numel())}
+    started = time.perf_counter()
+    options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
+                                                       progress=config.progress)
+    scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
+    if config.lm_head:
+        scales[LM_HEAD] = quantize_lm_head(model, config.group_size)
+    report = {"command": "quantize", "source_run": str(source.path),
+              "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
+              "quantization": quantization_entry(config.bits, config.group_size, config.method,
+                                                 config.lm_head),
+              "calibration": calibration, "device": config.device,
+              "quantize_seconds": round(time.perf_counter() - started, 3)}
+    mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
+                       extra={**source.masks.extra, "quantized": config.method})
+    with atomic_output_dir(Path(config.out), config.overwrite) as tmp:
+        return save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
+
+
+__all__ = ["LM_HEAD", "QUANTIZERS", "QuantizeConfig", "quantization_entry", "quantize_model", "quantize_run"]

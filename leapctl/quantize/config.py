@@ -1,0 +1,50 @@
+"""Every setting of `leapctl quantize`, declared once; the CLI is generated from it."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from leapctl.compute import DEVICE_HELP
+from leapctl.errors import LeapctlError
+from leapctl.settings import setting
+
+SUPPORTED_BITS = (4,)
+METHODS = ("gptq", "rtn")
+
+
+@dataclass
+class QuantizeConfig:
+    run: str = setting(help="A run folder from prune, learn or apply-mask (the pruned model and its masks).",
+                       argument=True, metavar="RUN")
+    out: Path = setting(help="Output run folder: the model with its kept weights on the 4-bit grid "
+                             "(dequantized, fp32), masks, scales, report.json.")
+    bits: int = setting(4, f"Bits per kept weight ({', '.join(map(str, SUPPORTED_BITS))}).")
+    group_size: int = setting(64, "Input columns sharing one scale: a multiple of 32 that divides every "
+                                  "pruned layer's columns (32, 64 or 128).")
+    method: str = setting("gptq", "gptq (error compensation with the mask fixed, calibrated block by "
+                                  "block) or rtn (round to nearest, no calibration).")
+    lm_head: bool = setting(False, "Also put lm_head on the 4-bit grid (round to nearest, every weight "
+                                   "kept; a tied input embedding shares its values): on small models it is "
+                                   "a large share of the bytes a decode step reads.",
+                            flag="--lm-head/--no-lm-head")
+    calib: str = setting("wiki-summaries", "Calibration text for gptq: file, folder, .jsonl, saved dataset, "
+                                           "wiki-summaries or generated.")
+    nsamples: int = setting(128, "Calibration sequences (gptq).")
+    seq_len: int = setting(512, "Tokens per calibration sequence (gptq).")
+    seed: int = setting(0, "Seed of the calibration windows (or generated samples).")
+    text_field: str = setting("text", "Text field of JSONL or dataset sources.")
+    device: str = setting("auto", f"Where each block is computed: {DEVICE_HELP}.")
+    batch_size: int = setting(8, "Calibration sequences per block forward.")
+    overwrite: bool = setting(False, "Replace a non-empty output folder.", flag="--overwrite")
+    progress: bool = setting(True, "Show progress bars.")
+
+    def validate(self) -> None:
+        """One clear error for settings that cannot work, before any model is loaded."""
+        if self.bits not in SUPPORTED_BITS:
+            raise LeapctlError(f"--bits {self.bits} is not supported (supported: "
+                               f"{', '.join(map(str, SUPPORTED_BITS))})")
+        if self.group_size <= 0 or self.group_size % 32:
+            raise LeapctlError(f"--group-size must be a positive multiple of 32, got {self.group_size}")
+        if self.method not in METHODS:
+            raise LeapctlError(f"unknown --method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.nsamples < 1 or self.seq_len < 2 or self.batch_size < 1:
+            raise LeapctlError("--nsamples and --batch-size must be >= 1 and --seq-len >= 2")

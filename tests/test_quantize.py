@@ -1,0 +1,201 @@
+"""4-bit quantization of kept weights (`leapctl quantize`), its export (`bitmap-q4`) and validation.
+
+References: the bitmap-q4 grid itself (every kept weight must encode back exactly), plain absmax rounding
+(the scale search may only lower the error), GPTQ with a diagonal Hessian (no error to spread: it must
+equal round to nearest), and the layer's output error on correlated inputs (what GPTQ minimises)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from leapctl.quantize.gptq import gptq_quantize
+from leapctl.quantize.rtn import group_error, rtn_quantize, search_scales
+from sparse_formats import get_format
+from sparse_formats.bitmap_q4 import absmax_scales
+
+Q4 = get_format("bitmap-q4")
+
+
+def weight_and_mask(rows: int, cols: int, seed: int, density: float = 0.5):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=gen)
+    mask = torch.rand(rows, cols, generator=gen) < density
+    return weight, mask
+
+
+def test_rtn_puts_kept_weights_on_the_grid_and_zeros_the_rest():
+    weight, mask = weight_and_mask(24, 128, seed=0)
+    quantized, scales = rtn_quantize(weight, mask, 64)
+    assert bool((quantized[~mask] == 0).all())
+    Q4.encode(quantized, mask, scales=scales)  # raises if any kept weight is off its scale's grid
+
+
+def test_the_scale_search_never_loses_to_plain_absmax():
+    weight, mask = weight_and_mask(64, 256, seed=1)
+    w, keep = weight.view(64, -1, 64), mask.view(64, -1, 64)
+    searched = group_error(w, keep, search_scales(weight, mask, 64))
+    plain = group_error(w, keep, absmax_scales(weight, mask, 64))
+    assert bool((searched <= plain).all()) and float(searched.sum()) < float(plain.sum())
+
+
+def test_gptq_with_a_diagonal_hessian_is_round_to_nearest():
+    weight, mask = weight_and_mask(16, 256, seed=2)
+    hessian = torch.diag(torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5)
+    got, got_scales = gptq_quantize(weight, mask, hessian, 64)
+    expected, expected_scales = rtn_quantize(weight, mask, 64)
+    assert torch.equal(got_scales, expected_scales)
+    assert torch.equal(got, expected)
+
+
+def test_gptq_lowers_the_output_error_on_correlated_inputs():
+    weight, mask = weight_and_mask(64, 256, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen) \
+        + 0.1 * torch.randn(2048, 256, generator=gen)
+    hessian = 2 * x.T @ x / x.shape[0]
+    target = x @ (weight * mask).T
+    gptq, scales = gptq_quantize(weight * mask, mask, hessian, 64)
+    rtn, _ = rtn_quantize(weight, mask, 64)
+    Q4.encode(gptq, mask, scales=scales)
+    assert bool((gptq[~mask] == 0).all())
+    assert float((x @ gptq.T - target).norm()) < 0.7 * float((x @ rtn.T - target).norm())
+
+
+# ---------------------------------------------------------------- the command, on stories260K
+
+
+def leapctl(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "leapctl", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def wanda_run(stories260k_dir, tmp_path_factory):
+    """stories260K at 50% (Wanda), every linear but down_proj, whose 172 columns no group divides."""
+    out = tmp_path_factory.mktemp("q") / "wanda"
+    done = leapctl("prune", str(stories260k_dir), "--method", "wanda", "--sparsity", "0.5", "--calib",
+                   "generated", "--nsamples", "8", "--seq-len", "64", "--exclude", "down_proj",
+                   "--out", str(out), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_run(wanda_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "gptq"
+    done = leapctl("quantize", str(wanda_run), "--calib", "generated", "--nsamples", "8", "--seq-len", "64",
+                   "--out", str(out), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def q4_export(quantized_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "export"
+    done = leapctl("export", str(quantized_run), "--format", "bitmap-q4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_quantized_run_keeps_the_masks_and_sits_on_its_grid(wanda_run, quantized_run):
+    from leapctl.runs import read_run
+
+    source, run = read_run(str(wanda_run)), read_run(str(quantized_run))
+    assert run.masks.masks.keys() == source.masks.masks.keys()
+    assert all(torch.equal(run.masks.masks[k], source.masks.masks[k]) for k in run.masks.masks)
+    assert run.quantization["bits"] == 4 and run.quantization["group_size"] == 64
+    weights = load_file(str(quantized_run / "model.safetensors"))
+    for name, mask in run.masks.masks.items():
+        Q4.encode(weights[name], mask, scales=run.scales[name])
+        assert bool((weights[name][~mask] == 0).all())
+
+
+def test_the_export_validates_against_the_quantized_run(q4_export):
+    done = leapctl("validate", str(q4_export))
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = json.loads((q4_export / "manifest.json").read_text())
+    assert manifest["format"] == "bitmap-q4"
+    config = json.loads((q4_export / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "bitmap-q4"
+
+
+def damaged_export(q4_export, tmp_path, edit) -> str:
+    """A copy of the export with one layer's tensor edited (checksums no longer match either)."""
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(q4_export, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    layer = "model.layers.1.self_attn.q_proj"
+    edit(tensors, layer)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return str(copy)
+
+
+def flip_code(tensors, layer):
+    tensors[f"{layer}.codes"][5] ^= 0x01
+
+
+def flip_scale(tensors, layer):
+    tensors[f"{layer}.scales"].view(torch.int16)[2, 0] ^= 0x0400
+
+
+def extra_kept_weight(tensors, layer):
+    """One more set bit in a word that kept an even count: the codes no longer cover the bitmap."""
+    words = tensors[f"{layer}.bitmap"].view(torch.int32).view(-1)
+    for index in range(words.numel()):
+        word = int(words[index]) & 0xFFFFFFFF
+        if bin(word).count("1") % 2 == 0 and word != 0xFFFFFFFF:
+            bit = next(b for b in range(32) if not word >> b & 1)
+            tensors[f"{layer}.bitmap"].view(-1)[4 * index + bit // 8] |= 1 << (bit % 8)
+            return
+    raise AssertionError("no word with an even count")
+
+
+@pytest.mark.parametrize(("edit", "kind", "message"), [
+    (flip_code, "decode", "weights differ from the reference"),
+    (flip_scale, "decode", "weights differ from the reference"),
+    (extra_kept_weight, "format", "bitmap/code count mismatch"),
+], ids=["code", "scale", "popcount"])
+def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, kind, message):
+    from leapctl.validate import validate
+
+    report = validate(damaged_export(q4_export, tmp_path, edit), end_to_end=False)
+    failed = [c for c in report.failures if c.target == "model.layers.1.self_attn.q_proj"]
+    assert any(c.kind == kind and message in c.detail for c in failed), report.failures
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bits", "3"], "--bits 3 is not supported"),
+    (["--group-size", "48"], "multiple of 32"),
+    (["--method", "awq"], "unknown --method"),
+])
+def test_bad_options_exit_2_with_one_line_and_write_nothing(wanda_run, tmp_path, args, message):
+    out = tmp_path / "never"
+    done = leapctl("quantize", str(wanda_run), "--out", str(out), *args)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_named(stories260k_dir, tmp_path):
+    run = tmp_path / "all"
+    assert leapctl("prune", str(stories260k_dir), "--method", "magnitude", "--sparsity", "0.5",
+                   "--out", str(run)).returncode == 0
+    done = leapctl("quantize", str(run), "--method", "rtn", "--out", str(tmp_path / "never"))
+    assert done.returncode == 2 and "does not divide the 172 input columns" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "never").exists()
+
+
+def test_a_model_without_masks_is_refused(stories260k_dir, tmp_path):
+    done = leapctl("quantize", str(stories260k_dir), "--method", "rtn", "--out", str(tmp_path / "never"))
+    assert done.returncode == 2 and "not a run folder" in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "never").exists()
+
+
+def test_export_of_an_unquantized_run_is_refused(wanda_run, tmp_path):
+    done = leapctl("export", str(wanda_run), "--format", "bitmap-q4", "--out", str(tmp_path / "never"))
+    assert done.returncode == 2 and "is not quantized" in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "never").exists()

@@ -29,8 +29,9 @@ import torch
 ISA_ENV = "LEAP_SPARSE_CPU_ISA"
 ISAS = ("avx512", "avx2")  # fastest first
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp")
-HEADERS = ("bitmap_kernels.h",)
+SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
+           "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp")
+HEADERS = ("bitmap_kernels.h", "bitmap_q4_kernels.h")
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.
 # -fopenmp: at::parallel_for is inline code that splits work only where _OPENMP is defined; without it
@@ -116,6 +117,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("leap_sparse_cpu::bitmap_linear")
     def _(x, bitmap, values, row_offsets, n_cols, bias=None, checked=False):
+        return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
+
+    @torch.library.register_fake("leap_sparse_cpu::bitmap_q4_linear")
+    def _q4(x, bitmap, codes, scales, row_offsets, n_cols, bias=None):
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
 

@@ -1,0 +1,315 @@
+"""The native CPU op on the bitmap-q4 layout against the bf16 bitmap op and dense bf16, per layer shape.
+
+    python bench/cpu_kernels_q4.py [--models SmolLM2-135M Llama-3.2-1B] [--sparsities 0.5 0.6]
+                                   [--tokens 1 4 8 16] [--groups 64] [--extra-groups 32 128] [--threads 1]
+                                   [--repeats 11] [--rotate-mib 256] [--out bench/results/cpu_kernels_q4]
+
+For every decoder linear shape of each model ([n, k] = [out, in] features, each projection on its own:
+q/o, k/v, gate/up, down), each sparsity, group size and M rows of x (bf16), it times on one masked weight:
+- q4: `torch.ops.leap_sparse_cpu.bitmap_q4_linear` on the `bitmap-q4` encoding (codes + fp16 scales);
+- bitmap: `torch.ops.leap_sparse_cpu.bitmap_linear` on the `bitmap` encoding with bf16 values;
+- `torch.nn.functional.linear` on the dense masked weight in bf16, and vLLM's oneDNN linear where vLLM's CPU
+  ops import (as bench/cpu_kernels.py sets it up).
+Decode reads every weight from DRAM, so each op cycles through copies of its own weight that together hold
+at least --rotate-mib MiB (8x the 32 MiB L3 by default; the q4 copies are 5x smaller than the dense ones,
+so each op gets its own copy count); the ops take turns repetition by repetition so that load from other
+processes hits them alike; figures are medians per call. Weights are random, masks exactly the same density
+in every row (as Wanda's are).
+
+Read bandwidth: `torch.sum` over a 1 GiB fp32 tensor with one thread (and each --threads count), medians of
+7, measured in the same run. weight GB/s = bytes of bitmap + codes + scales (+ row offsets) per q4 call
+/ time; fraction = that / the read bandwidth.
+
+Writes OUT.json (rows and settings) and OUT.md (tables).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_kernels import device_name, onednn_ops  # noqa: E402
+
+from serving import cpu_kernel  # noqa: E402
+from sparse_formats import get_format  # noqa: E402
+
+LAYERS = {  # model -> {projection: [n, k]}
+    "SmolLM2-135M": {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)},
+    "Llama-3.2-1B": {"q/o": (2048, 2048), "k/v": (512, 2048), "gate/up": (8192, 2048), "down": (2048, 8192)},
+}
+READ_BYTES = 1 << 30
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s that torch.sum reads from a 1 GiB fp32 tensor with `threads` threads."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(READ_BYTES // 4)
+    buffer.sum()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return READ_BYTES / statistics.median(times)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed: int):
+    """Copies (separate memory, equal contents) of the dense bf16 weight, its bitmap encoding and its
+    bitmap-q4 encoding, each op's copies holding at least `rotate` bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    mask = torch.rand(n, k, generator=gen).argsort(dim=1) >= round(k * sparsity)  # exact per row
+    q4 = get_format("bitmap-q4").encode(weight, mask, group_size=group)
+    q4_parts = (q4["bitmap"], q4["codes"], q4["scales"], q4["row_offsets"])
+    dense = get_format("bitmap-q4").decode(q4).to(torch.bfloat16)  # the same weights for every op
+    bitmap = get_format("bitmap").encode(dense, mask)
+    bitmap_parts = (bitmap["bitmap"], bitmap["values"], bitmap["row_offsets"])
+
+    def copies(parts):
+        count = max(2, math.ceil(rotate / nbytes(parts)))
+        return [tuple(t.clone() for t in parts) for _ in range(count)]
+
+    return copies((dense,)), copies(bitmap_parts), copies(q4_parts)
+
+
+def time_ops(ops: dict, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each op: (callable running every copy once, copy count)."""
+    for run, _ in ops.values():  # warm-up: page in the copies, build oneDNN primitives
+        run()
+    samples = {name: [] for name in ops}
+    for i in range(repeats):
+        order = list(ops.items())
+        order = order[i % len(order) :] + order[: i % len(order)]  # rotate who runs first
+        for name, (run, copies) in order:
+            start = time.perf_counter()
+            run()
+            samples[name].append((time.perf_counter() - start) / copies * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, tokens) -> list[dict]:
+    dense, bitmap, q4 = make_weights(n, k, sparsity, group, args.rotate_mib << 20, seed=n * 31 + k)
+    handlers = [onednn[0](w.t(), 32) for (w,) in dense] if onednn else []
+    q4_bytes = nbytes(q4[0])
+    q4_op, bitmap_op = torch.ops.leap_sparse_cpu.bitmap_q4_linear, torch.ops.leap_sparse_cpu.bitmap_linear
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for m in tokens:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            ref = F.linear(x.float(), dense[0][0].float())
+            for got in (q4_op(x, *q4[0], k, None), bitmap_op(x, *bitmap[0], k, None)):
+                assert torch.allclose(got.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (
+                    f"an op disagrees with dense for {model} {layer} M={m}"
+                )
+            ops = {
+                "q4": (lambda x=x: [q4_op(x, *w, k, None) for w in q4], len(q4)),
+                "bitmap": (lambda x=x: [bitmap_op(x, *w, k, None) for w in bitmap], len(bitmap)),
+                "linear": (lambda x=x: [F.linear(x, w) for (w,) in dense], len(dense)),
+            }
+            if handlers:
+                ops["onednn"] = (lambda x=x: [onednn[1](h, x, None) for h in handlers], len(handlers))
+            us = time_ops(ops, args.repeats)
+            dense_op = min((name for name in us if name in ("linear", "onednn")), key=us.get)
+            weight_gbs = q4_bytes / (us["q4"] * 1e-6) / 1e9
+            rows.append(
+                {
+                    "model": model,
+                    "layer": layer,
+                    "shape": [n, k],
+                    "m": m,
+                    "sparsity": sparsity,
+                    "group": group,
+                    "threads": threads,
+                    "q4_us": round(us["q4"], 2),
+                    "bitmap_us": round(us["bitmap"], 2),
+                    "linear_us": round(us["linear"], 2),
+                    "onednn_us": round(us["onednn"], 2) if "onednn" in us else None,
+                    "dense_op": dense_op,
+                    "dense_us": round(us[dense_op], 2),
+                    "q4_bytes": q4_bytes,
+                    "bitmap_bytes": nbytes(bitmap[0]),
+                    "dense_bytes": nbytes(dense[0]),
+                    "q4_over_bitmap": round(us["bitmap"] / us["q4"], 3),
+                    "q4_over_dense": round(us[dense_op] / us["q4"], 3),
+                    "weight_gbs": round(weight_gbs, 2),
+                    "bandwidth_fraction": round(weight_gbs * 1e9 / bandwidth[threads], 3),
+                }
+            )
+            r = rows[-1]
+            print(
+                f"    {threads} thr M={m:2d}: q4 {us['q4']:8.1f} us ({weight_gbs:5.1f} GB/s, "
+                f"{r['bandwidth_fraction']:.2f}), bitmap {us['bitmap']:8.1f}, dense {us[dense_op]:8.1f} "
+                f"({dense_op}): x{r['q4_over_bitmap']:.2f} over bitmap, x{r['q4_over_dense']:.2f} over dense",
+                flush=True,
+            )
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    bw = ", ".join(
+        f"{t} thread{'s' if int(t) > 1 else ''} {b / 1e9:.1f} GB/s" for t, b in meta["read_bandwidth"].items()
+    )
+    lines = [
+        f"bitmap-q4 op against the bf16 bitmap op and dense bf16 (the faster of F.linear and vLLM's oneDNN "
+        f"linear{'' if meta['onednn'] else ', not importable here: F.linear only'}), x in bf16, "
+        f"{meta['device']}, "
+        f"{meta['date']}.",
+        "",
+        f"Median time per call over {meta['repeats']} repetitions, each op cycling through copies of its "
+        f"weight holding at least {meta['rotate_mib']} MiB (DRAM, not the 32 MiB L3). Load average (1 min) "
+        f"{meta['load_before']:.2f} before, {meta['load_after']:.2f} after, on {os.cpu_count()} CPUs "
+        f"(other engineers' tests share the machine). Read bandwidth (torch.sum over 1 GiB): {bw}.",
+        "",
+        "weight GB/s: bytes of bitmap + codes + scales + row offsets per q4 call / its time; fraction: "
+        "that / the read bandwidth with the same thread count.",
+        "",
+    ]
+    for threads in sorted({r["threads"] for r in rows}):
+        subset = [r for r in rows if r["threads"] == threads]
+        tokens = sorted({r["m"] for r in subset})
+        lines += [
+            f"### {threads} thread{'s' if threads > 1 else ''}: time per call (us), q4 / bitmap bf16 / dense "
+            "bf16, and q4's weight read rate at M=1",
+            "",
+            "| model | layer | [n, k] | sparsity | G | q4 B/weight | "
+            + " | ".join(f"M={m} q4 / bitmap / dense" for m in tokens)
+            + " | q4 over bitmap, M=1 | q4 over dense, M=1 | weight GB/s, M=1 | fraction, M=1 |",
+            "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(tokens) + " --- | --- | --- | --- |",
+        ]
+        keys = []
+        for r in subset:
+            key = (r["model"], r["layer"], tuple(r["shape"]), r["sparsity"], r["group"])
+            if key not in keys:
+                keys.append(key)
+        for key in keys:
+            by_m = {
+                r["m"]: r
+                for r in subset
+                if (r["model"], r["layer"], tuple(r["shape"]), r["sparsity"], r["group"]) == key
+            }
+            first = by_m.get(1)
+            model, layer, shape, sparsity, group = key
+            any_r = next(iter(by_m.values()))
+            cells = [
+                f"{by_m[m]['q4_us']:.1f} / {by_m[m]['bitmap_us']:.1f} / {by_m[m]['dense_us']:.1f}"
+                if m in by_m
+                else ""
+                for m in tokens
+            ]
+            tail = (
+                (
+                    f"{first['q4_over_bitmap']:.2f} | {first['q4_over_dense']:.2f} | "
+                    f"{first['weight_gbs']:.1f} | "
+                    f"{first['bandwidth_fraction']:.2f}"
+                )
+                if first
+                else " | | | "
+            )
+            lines.append(
+                f"| {model} | {layer} | {list(shape)} | {sparsity:.0%} | {group} | "
+                f"{any_r['q4_bytes'] / (shape[0] * shape[1]):.3f} | " + " | ".join(cells) + f" | {tail} |"
+            )
+        lines.append("")
+        for sparsity in sorted({r["sparsity"] for r in subset}):
+            main = [r for r in subset if r["sparsity"] == sparsity and r["group"] == meta["group"]]
+            if not main:
+                continue
+            geo = {
+                m: (
+                    math.exp(statistics.fmean(math.log(r["q4_over_bitmap"]) for r in main if r["m"] == m)),
+                    math.exp(statistics.fmean(math.log(r["q4_over_dense"]) for r in main if r["m"] == m)),
+                )
+                for m in tokens
+                if any(r["m"] == m for r in main)
+            }
+            lines.append(
+                f"Geometric means over the layers, {sparsity:.0%}, G={meta['group']}: "
+                + "; ".join(f"M={m} q4 {b:.2f}x bitmap, {d:.2f}x dense" for m, (b, d) in geo.items())
+                + "."
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--layers", nargs="+", default=None, help="only these projections (e.g. q/o down)")
+    parser.add_argument("--sparsities", nargs="+", type=float, default=[0.5, 0.6])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 16])
+    parser.add_argument("--groups", type=int, default=64, help="group size of the main runs")
+    parser.add_argument(
+        "--extra-groups",
+        nargs="*",
+        type=int,
+        default=[32, 128],
+        help="other group sizes, timed once (Llama-3.2-1B down, 50%%, M=1)",
+    )
+    parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--rotate-mib", type=int, default=256)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cpu_kernels_q4"))
+    args = parser.parse_args()
+    if not cpu_kernel.load(verbose=True):
+        sys.exit(f"the native kernel is unavailable: {cpu_kernel.unavailable_reason()}")
+    onednn = onednn_ops()
+    if onednn is None:
+        print("note: vLLM's oneDNN ops are not importable; the dense baseline is F.linear only")
+    load_before = os.getloadavg()[0]
+    bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
+    print(
+        "read bandwidth: " + ", ".join(f"{t} thr {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()),
+        flush=True,
+    )
+    rows = []
+    for model in args.models:
+        for layer, (n, k) in LAYERS[model].items():
+            if args.layers and layer not in args.layers:
+                continue
+            for sparsity in args.sparsities:
+                print(f"{model} {layer} [{n}, {k}] {sparsity:.0%} G={args.groups}", flush=True)
+                rows += measure_layer(
+                    args, onednn, bandwidth, model, layer, n, k, sparsity, args.groups, args.tokens
+                )
+    for group in args.extra_groups:
+        model, layer = "Llama-3.2-1B", "down"
+        n, k = LAYERS[model][layer]
+        print(f"{model} {layer} [{n}, {k}] 50% G={group}", flush=True)
+        rows += measure_layer(args, onednn, bandwidth, model, layer, n, k, 0.5, group, [1])
+    meta = {
+        "device": device_name(),
+        "repeats": args.repeats,
+        "rotate_mib": args.rotate_mib,
+        "group": args.groups,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "torch": torch.__version__,
+        "onednn": onednn is not None,
+        "read_bandwidth": {str(t): b for t, b in bandwidth.items()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, meta) + "\n")
+    print(markdown(rows, meta))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+// AVX-512 kernels for the bitmap-q4 layout (F, BW, VL, VBMI for vpmultishiftqb, VBMI2 for vpexpandw,
+// BF16 for vdpbf16ps). Only this file's functions are compiled for these instructions; the op calls them
+// after checking the CPU's flags.
+//
+// One 32-column word of a weight row becomes 32 bf16 weights in five instructions: the word's code bytes
+// (16 bytes cover 32 codes) zero-extended so that qword j holds bytes 2j and 2j+1 (codes 4j..4j+3);
+// vpmultishiftqb puts code k's nibble in the low bits of 16-bit lane k; vpermw maps it to the bf16 level
+// code - 7.5 (exact in bf16); vpexpandw moves the kept levels to their columns (zeros elsewhere); then
+// vdpbf16ps multiplies them with 32 columns of x (bf16 pairs, fp32 sums) into the group's accumulators,
+// and each group's end folds them into the row's sums with the group's fp32 scale (acc += s * group).
+// fp16 and fp32 x are widened to fp32 by the op; their words' levels are widened too and multiplied with
+// vfmadd (exact levels, fp32 products).
+// Blocks of R weight rows are walked word by word, each word decoded once and multiplied with up to 8
+// rows of x; above 8 rows of x, blocks of 2 rows run chunks of up to 4 rows of x, the first keeping the
+// decoded words in a buffer for the others, so every weight is read from memory once per call.
+//
+// What bounds it (1 thread, Zen 5 at about 3.75 GHz, measured on this machine kind): at M = 1 the kernel
+// is compute-bound, not memory-bound. It takes about 1.0 ns (3.8 cycles) per word and weight row whether
+// the weights come from cache (256x2048) or from DRAM (2048x2048 rotated), which is 13 GB/s of weights at
+// 50% against 35 GB/s that torch.sum reads; 80% of that would need 0.44 ns per word. The cost is in the
+// shuffle-class instructions of decoding: throughputs measured alone (independent chains) are about 1 per
+// cycle for vpexpandw zmm, 2 for vpermw and vdpbf16ps, 1.4 for vpmultishiftqb; a stand-alone copy of the
+// loop took 0.5-1.0 ns per word with expand and dp alone, 0.4-0.7 with the decode but no expand. Tried
+// without gain: vbroadcasti32x4 + vpshufb + vpsrlvw in place of vpmovzxwq + vpmultishiftqb (1.07 against
+// 1.01 ns per word), blocks of 2, 3 or 8 rows at M = 1 (within 4%), the buffered chunks for M = 6..8
+// (within 5%, same-process A/B). Dropping the software prefetch saved 2% in cache (kept: it is what
+// bitmap_avx512.cpp needed from DRAM; not re-measured from DRAM here).
+// Above M = 1 the group folds add M/2 multiply-adds per word (G = 64) to the M dot products on the same
+// pipes, and each weight row still pays its decode: from M = 4 the bf16 bitmap op, which only expands,
+// is faster (bench/results/cpu_kernels_q4.md).
+#include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "bitmap_q4_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
+
+namespace leap_sparse {
+namespace {
+
+constexpr int kChunkMaxM = 8;  // rows of x per chunk
+// Software prefetch distance, as in bitmap_avx512.cpp (where the hardware prefetcher alone left the
+// kernel at half the bandwidth): about this many bytes of the three streams together, in whole blocks.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// bf16 of code - 7.5 for code = index mod 16: vpermw reads five bits of each index, and bit 4 holds a
+// bit of the neighbouring code, so the table repeats.
+alignas(64) constexpr uint16_t kLevels[32] = {
+    0xc0f0, 0xc0d0, 0xc0b0, 0xc090, 0xc060, 0xc020, 0xbfc0, 0xbf00,
+    0x3f00, 0x3fc0, 0x4020, 0x4060, 0x4090, 0x40b0, 0x40d0, 0x40f0,
+    0xc0f0, 0xc0d0, 0xc0b0, 0xc090, 0xc060, 0xc020, 0xbfc0, 0xbf00,
+    0x3f00, 0x3fc0, 0x4020, 0x4060, 0x4090, 0x40b0, 0x40d0, 0x40f0};
+
+// vpmultishiftqb control: the low byte of 16-bit lane i of each qword takes bits 4i..4i+7.
+constexpr uint64_t kNibbleShifts = 0x000c000800040000ull;
+
+inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline uint32_t mask_word(const uint8_t* row, int64_t w) {
+  uint32_t word;
+  std::memcpy(&word, row + 4 * w, 4);
+  return word;
+}
+
+struct Decoder {
+  __m512i levels, shifts;
+  // Explicit: GCC compiles an implicit constructor without this file's target options.
+  Decoder() : levels(_mm512_load_si512(kLevels)), shifts(_mm512_set1_epi64(static_cast<long long>(kNibbleShifts))) {}
+
+  // The word's 32 weights in bf16, without the scale: levels at the set bits, zeros elsewhere. The
+  // expand merges into a freshly zeroed register, not {z}: see expand16 in bitmap_avx512.cpp (on Zen 5
+  // the zero-masking form waits for its destination's previous value, chaining every expand of a row).
+  inline __m512i word(uint32_t mask, const uint8_t* codes) const {
+    const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    __m512i packed = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(shifts, pairs), levels);
+    __m512i fresh;
+    asm("vpxord %0, %0, %0" : "=v"(fresh));  // a zero idiom per expand, not a copy of one zero register
+    asm("" : "+v"(packed));
+    return _mm512_mask_expand_epi16(fresh, static_cast<__mmask32>(mask), packed);
+  }
+};
+
+inline int code_bytes(uint32_t mask) { return (_mm_popcnt_u32(mask) + 1) >> 1; }
+
+// bf16 lanes 0..15 / 16..31 as fp32.
+inline __m512 low_ps(__m512i bf) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bf)), 16));
+}
+inline __m512 high_ps(__m512i bf) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bf, 1)), 16));
+}
+
+// A group's fp16 scale in every lane: vpbroadcastw + vcvtph2ps, two instructions where _cvtsh_ss and a
+// broadcast took three (a stand-alone copy of the M = 1 loop measured 10% faster with it).
+inline __m512 scale_of(const uint16_t* scales, int64_t g) {
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scales[g])));
+}
+
+// The four sums of four accumulators, for four consecutive outputs (as in bitmap_avx512.cpp).
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const auto half = [](__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  };
+  return _mm_hadd_ps(_mm_hadd_ps(half(a), half(b)), _mm_hadd_ps(half(c), half(d)));
+}
+
+template <DType D>
+inline void store4(void* y, int64_t index, __m128 sums, int count) {
+  const __mmask8 keep = static_cast<__mmask8>((1u << count) - 1);
+  if constexpr (D == DType::F32) {
+    _mm_mask_storeu_ps(static_cast<float*>(y) + index, keep, sums);
+  } else if constexpr (D == DType::BF16) {
+    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep, (__m128i)_mm_cvtneps_pbh(sums));
+  } else {
+    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep,
+                          _mm_cvtps_ph(sums, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// Prefetch distances (bytes) per stream for blocks of rows read at once: the same whole number of blocks
+// ahead in each stream (codes, bitmap, scales), so that each row's prefetch lands in the same row of a
+// later block (a distance that is not a whole number of blocks lands in a row a neighbour is reading now;
+// bitmap_avx512.cpp measured half the bandwidth that way).
+struct Distances {
+  int64_t codes, bitmap, scales;
+};
+
+Distances block_distances(const Q4Problem& p, int64_t row_begin, int64_t row_end, int block_rows) {
+  // Rows are about equally long (exactly so for Wanda's masks); the average over the range is near enough.
+  const int64_t span = row_end - 1 - row_begin;
+  const int64_t codes = span > 0 ? (p.row_offsets[row_end - 1] - p.row_offsets[row_begin]) * block_rows / span : 0;
+  const int64_t bitmap = block_rows * p.cols / 8, scales = block_rows * p.groups * 2;
+  const int64_t block = codes + bitmap + scales;
+  const int64_t blocks = block > 0 ? (kPrefetchBytes + block - 1) / block : 1;
+  return {blocks * codes, blocks * bitmap, blocks * scales};
+}
+
+// How a block gets its words' weights: decoded from the layout, decoded and kept in a buffer (the first
+// chunk of x above kChunkMaxM rows), or loaded from that buffer (the later chunks: one load per word
+// instead of the five decoding instructions).
+enum class Source { Decode, DecodeKeep, Kept };
+
+// Output rows row .. row + R (R <= 4) for rows m0 .. m0 + M of x; GW words per group (0: p.group_words,
+// read at run time). Each output is the same sequence of operations whatever R, the chunks or the split
+// of rows between threads: results do not depend on them.
+template <DType D, int M, int R, int GW, Source S>
+void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, const Distances* ahead,
+           __m512i* kept) {
+  const Decoder dec;
+  const uint8_t* c[R];
+  const uint8_t* bits[R];
+  const uint16_t* sc[R];
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r) {
+    c[r] = base + p.row_offsets[row + r];
+    bits[r] = p.bitmap + (row + r) * (p.cols / 8);
+    sc[r] = p.scales + (row + r) * p.groups;
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  }
+  const int64_t gw = GW > 0 ? GW : p.group_words, words = p.cols / 32;
+  // x walks word by word with a running pointer (bf16: every row's word w together, see Q4Problem::x;
+  // fp32: rows x_stride apart), so no address needs a multiply in the loop.
+  const char* x = static_cast<const char*>(p.x) + (D == DType::BF16 ? m0 * 64 : m0 * p.x_stride * 4);
+  const int64_t x_step = D == DType::BF16 ? p.m * 64 : 128, x_row = D == DType::BF16 ? 64 : p.x_stride * 4;
+  int64_t w = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 part[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    if (S != Source::Kept && ahead != nullptr) {
+      // Per group: the codes of a group (at most 16 bytes a word) span at most two lines for G <= 64;
+      // G = 128 prefetches again at its third word (below). The bitmap and scales once every 16 words.
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(c[r]) + ahead->codes, _MM_HINT_T0);
+        if ((w & 15) < gw) {
+          _mm_prefetch(reinterpret_cast<const char*>(bits[r] + 4 * w) + ahead->bitmap, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sc[r] + g) + ahead->scales, _MM_HINT_T0);
+        }
+      }
+    }
+    for (int64_t j = 0; j < gw; ++j, ++w) {
+      if (S != Source::Kept && ahead != nullptr && j > 0 && (j & 1) == 0) {
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(c[r]) + ahead->codes, _MM_HINT_T0);
+      }
+      __m512i e[R];
+      for (int r = 0; r < R; ++r) {
+        if constexpr (S == Source::Kept) {
+          e[r] = _mm512_load_si512(kept + r * words + w);
+        } else {
+          const uint32_t mask = mask_word(bits[r], w);
+          e[r] = dec.word(mask, c[r]);
+          c[r] += code_bytes(mask);
+          if constexpr (S == Source::DecodeKeep) _mm512_store_si512(kept + r * words + w, e[r]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        if constexpr (D == DType::BF16) {
+          const __m512i xv = _mm512_loadu_si512(x + m * x_row);
+          for (int r = 0; r < R; ++r) part[r][m] = _mm512_dpbf16_ps(part[r][m], (__m512bh)e[r], (__m512bh)xv);
+        } else {
+          const __m512 lo = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row));
+          const __m512 hi = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row) + 16);
+          for (int r = 0; r < R; ++r)
+            part[r][m] = _mm512_fmadd_ps(high_ps(e[r]), hi, _mm512_fmadd_ps(low_ps(e[r]), lo, part[r][m]));
+        }
+      }
+      x += x_step;
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = scale_of(sc[r], g);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
+    }
+  }
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
+  for (int m = 0; m < M; ++m) {
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+  }
+}
+
+// Weight rows per block for M rows of x: two accumulators (group and row) per weight row and row of x,
+// at most about 20 of the 32 registers.
+constexpr int block_rows(int m) { return m <= 2 ? 4 : m == 3 ? 3 : m <= 5 ? 2 : 1; }
+
+// The group sizes compiled with a fixed number of words per group (the loop over a group's words
+// unrolled); others read it at run time.
+template <typename Fn>
+inline void with_group_words(int64_t gw, Fn&& fn) {
+  switch (gw) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: return fn(std::integral_constant<int, 0>{});
+  }
+}
+
+// All rows of x in one chunk: blocks of R weight rows, single rows at the end of the range.
+template <DType D, int M>
+void rows_direct(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64_t row_end) {
+  constexpr int R = block_rows(M);
+  const Distances ahead = block_distances(p, row_begin, row_end, R);
+  const Distances single = block_distances(p, row_begin, row_end, 1);
+  with_group_words(p.group_words, [&](auto gw) {
+    constexpr int GW = decltype(gw)::value;
+    int64_t row = row_begin;
+    for (; row + R <= row_end; row += R) block<D, M, R, GW, Source::Decode>(p, base, row, 0, &ahead, nullptr);
+    for (; row < row_end; ++row) block<D, M, 1, GW, Source::Decode>(p, base, row, 0, &single, nullptr);
+  });
+}
+
+template <DType D, typename Ms>
+struct Table;
+template <DType D, int... Ms>
+struct Table<D, std::integer_sequence<int, Ms...>> {
+  using RowsFn = void (*)(const Q4Problem&, const uint8_t*, int64_t, int64_t);
+  static constexpr RowsFn rows[] = {&rows_direct<D, Ms + 1>...};
+};
+
+template <DType D>
+using Kernels = Table<D, std::make_integer_sequence<int, kChunkMaxM>>;
+
+// Above kChunkMaxM rows of x: blocks of kChunkRows weight rows, each running chunks of up to kWideChunkM
+// rows of x; the first chunk decodes the block's words into a buffer (L1/L2) that the others read. Two
+// weight rows per block halve the reads of x (which leaves L1 at 16 rows of 2048 columns) against one,
+// and the decoding is done once per block whatever the chunk count.
+constexpr int kChunkRows = 2;
+constexpr int kWideChunkM = 4;
+
+template <DType D, int R, int GW>
+void block_chunks(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t chunk, const Distances* ahead,
+                  __m512i* kept) {
+  using Fn = void (*)(const Q4Problem&, const uint8_t*, int64_t, int64_t, const Distances*, __m512i*);
+  static constexpr Fn first[] = {&block<D, 1, R, GW, Source::DecodeKeep>, &block<D, 2, R, GW, Source::DecodeKeep>,
+                                 &block<D, 3, R, GW, Source::DecodeKeep>, &block<D, 4, R, GW, Source::DecodeKeep>};
+  static constexpr Fn later[] = {&block<D, 1, R, GW, Source::Kept>, &block<D, 2, R, GW, Source::Kept>,
+                                 &block<D, 3, R, GW, Source::Kept>, &block<D, 4, R, GW, Source::Kept>};
+  for (int64_t m0 = 0; m0 < p.m; m0 += chunk) {
+    (m0 == 0 ? first : later)[smaller(chunk, p.m - m0) - 1](p, base, row, m0, ahead, kept);
+  }
+}
+
+template <DType D>
+void rows_chunked(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64_t row_end) {
+  const int64_t chunks = (p.m + kWideChunkM - 1) / kWideChunkM;
+  const int64_t chunk = (p.m + chunks - 1) / chunks;  // as even as they can be
+  const Distances ahead = block_distances(p, row_begin, row_end, kChunkRows);
+  const Distances single = block_distances(p, row_begin, row_end, 1);
+  auto* kept = static_cast<__m512i*>(std::aligned_alloc(64, kChunkRows * p.cols * 2));
+  with_group_words(p.group_words, [&](auto gw) {
+    constexpr int GW = decltype(gw)::value;
+    int64_t row = row_begin;
+    for (; row + kChunkRows <= row_end; row += kChunkRows) {
+      block_chunks<D, kChunkRows, GW>(p, base, row, chunk, &ahead, kept);
+    }
+    for (; row < row_end; ++row) block_chunks<D, 1, GW>(p, base, row, chunk, &single, kept);
+  });
+  std::free(kept);
+}
+
+template <DType D>
+void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end) {
+  const uint8_t* base = codes.base - codes.first;
+  if (p.m <= kChunkMaxM) return Kernels<D>::rows[p.m - 1](p, base, row_begin, row_end);
+  rows_chunked<D>(p, base, row_begin, row_end);
+}
+
+}  // namespace
+
+void q4_gemm_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
+  switch (p.dtype) {
+    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
+    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
+    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
+  }
+}
+
+void q4_decode_rows_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, float* out,
+                           int64_t out_stride) {
+  const Decoder dec;
+  const uint8_t* base = codes.base - codes.first;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const uint8_t* c = base + p.row_offsets[row];
+    const uint8_t* bits = p.bitmap + row * (p.cols / 8);
+    const uint16_t* sc = p.scales + row * p.groups;
+    float* o = out + (row - row_begin) * out_stride;
+    for (int64_t w = 0; w < p.cols / 32; ++w) {
+      const uint32_t mask = mask_word(bits, w);
+      const __m512i e = dec.word(mask, c);
+      c += code_bytes(mask);
+      const __m512 s = scale_of(sc, w / p.group_words);
+      _mm512_storeu_ps(o + 32 * w, _mm512_mul_ps(low_ps(e), s));
+      _mm512_storeu_ps(o + 32 * w + 16, _mm512_mul_ps(high_ps(e), s));
+    }
+  }
+}
+
+}  // namespace leap_sparse
+
+#pragma GCC pop_options

@@ -1,0 +1,245 @@
+// The torch ops of the native CPU linear layer on the `bitmap-q4` layout (sparse_formats/bitmap_q4.py):
+//   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None)
+//       -> y = x W^T + b, W[r, c] = scales[r, c / G] * (code - 7.5) where kept, 0 elsewhere
+//   leap_sparse_cpu::bitmap_q4_validate(bitmap, codes, scales, row_offsets, n_cols)
+//       -> checks every row's offset against the bitmap (once, when a layer loads: it reads the whole bitmap)
+// Registered as a fragment of the leap_sparse_cpu library that bitmap_linear.cpp defines, and using the
+// instruction set that its isa()/set_isa() choose (one choice for both ops). Up to kSparseMaxM rows of x
+// run the sparse kernels, which read each weight's bitmap, codes and scales once per call; more rows
+// (prefill) decode fp32 tiles of W (exact) and multiply them with ATen's GEMM. Work is split over output
+// rows with ATen's thread pool and thread count.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bitmap_q4_kernels.h"
+
+namespace leap_sparse {
+namespace {
+
+constexpr int64_t kTaskWeights = 1 << 15;  // fewest weights (dense count) worth a thread of their own
+constexpr int64_t kTileBytes = 2 << 20;    // fp32 tile of W decoded per GEMM above kSparseMaxM
+
+enum class Q4Isa { Avx2, Avx512 };
+
+// The kernel that leap_sparse_cpu::isa() names (bitmap_linear.cpp keeps the choice; asking its op keeps
+// this file independent of that one), where this CPU runs its q4 form: the AVX-512 one also needs VBMI
+// (vpmultishiftqb), which every CPU with VBMI2 has, and the AVX2 one BMI2 (pdep).
+Q4Isa current_q4_isa() {
+  static const auto isa_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  static const bool bmi2 = __builtin_cpu_supports("bmi2");
+  const std::string isa = isa_op.call();
+  if (isa == "avx512" && vbmi) return Q4Isa::Avx512;
+  TORCH_CHECK(isa != "none" && bmi2, "leap_sparse_cpu::bitmap_q4_linear: this CPU has neither AVX-512 (with "
+              "VBMI, VBMI2 and BF16) nor AVX2 with FMA, F16C and BMI2");
+  return Q4Isa::Avx2;
+}
+
+DType x_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::F16;
+    case at::kFloat: return DType::F32;
+    default: break;
+  }
+  TORCH_CHECK(false, "leap_sparse_cpu::bitmap_q4_linear supports bfloat16, float16 and float32 x, not ", type);
+}
+
+// Bytes of codes of one row: ceil(popcount / 2) per 32-column word.
+int64_t row_code_bytes(const uint8_t* row, int64_t words) {
+  int64_t bytes = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t word;
+    std::memcpy(&word, row + 4 * w, 4);
+    bytes += (__builtin_popcount(word) + 1) / 2;
+  }
+  return bytes;
+}
+
+// The shape and dtype checks both ops make; returns the group size.
+int64_t check_layout(const char* op, const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& row_offsets, int64_t n_cols) {
+  TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() &&
+                  row_offsets.device().is_cpu(),
+              op, " takes CPU tensors");
+  TORCH_CHECK(n_cols > 0 && n_cols % 32 == 0, op, ": n_cols must be a positive multiple of 32, got ", n_cols);
+  TORCH_CHECK(bitmap.scalar_type() == at::kByte && bitmap.dim() == 2 && bitmap.size(1) == n_cols / 8, op,
+              ": bitmap must be uint8 [rows, ", n_cols / 8, "], got ", bitmap.scalar_type(), " ", bitmap.sizes());
+  const int64_t rows = bitmap.size(0);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 1, op, ": codes must be 1-D uint8, got ",
+              codes.scalar_type(), " ", codes.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == rows &&
+                  scales.size(1) > 0 && n_cols % scales.size(1) == 0 && (n_cols / scales.size(1)) % 32 == 0,
+              op, ": scales must be float16 [", rows, ", groups] with groups of whole 32-column words "
+              "dividing the ", n_cols, " columns, got ", scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(row_offsets.scalar_type() == at::kInt && row_offsets.dim() == 1 && row_offsets.size(0) == rows, op,
+              ": row_offsets must be int32 [", rows, "], got ", row_offsets.scalar_type(), " ", row_offsets.sizes());
+  return n_cols / scales.size(1);
+}
+
+// bf16 x [m, cols] (rows row_stride elements apart, cols a multiple of 32) interleaved by 32-column word
+// as the AVX-512 kernel reads it (Q4Problem::x), the layout of bitmap_linear's bf16 x.
+void interleave_words(const uint16_t* x, int64_t row_stride, int64_t m, int64_t cols, uint16_t* out) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t w = 0; w < cols / 32; ++w) std::memcpy(out + (w * m + i) * 32, x + i * row_stride + 32 * w, 64);
+}
+
+// The first row from which every row ends less than kCodePad bytes before the end of `codes`: the
+// kernels' loads past those rows' last codes would leave the tensor (see bitmap_linear.cpp).
+int64_t first_unpadded_row(const int32_t* offsets, int64_t rows, int64_t n_codes) {
+  int64_t row = rows;
+  while (row > 0 && (row < rows ? offsets[row] : n_codes) + kCodePad > n_codes) --row;
+  return row;
+}
+
+at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& codes,
+                            const at::Tensor& scales, const at::Tensor& row_offsets, int64_t n_cols,
+                            const std::optional<at::Tensor>& bias) {
+  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_linear";
+  const Q4Isa isa = current_q4_isa();
+  const int64_t group = check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
+  TORCH_CHECK(x.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()), kOp, " takes CPU tensors");
+  const DType dtype = x_dtype(x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n_cols, kOp, ": x has ", x.dim() >= 1 ? x.size(-1) : 0,
+              " features, the weight has ", n_cols, " columns");
+  const int64_t rows = bitmap.size(0);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == rows), kOp, ": bias must have ", rows,
+              " entries");
+
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = rows;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
+  if (m == 0 || rows == 0) return y;
+
+  const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), scale = scales.contiguous(),
+                   offsets = row_offsets.contiguous();
+  const int64_t n_codes = code.numel();
+  const int32_t* offset = offsets.data_ptr<int32_t>();
+  // The first and last rows' offsets (O(1) work per call): with them every row's loads stay inside the
+  // codes tensor or its padded copy unless the offsets between disagree with the bitmap, which
+  // bitmap_q4_validate checks once per layer.
+  TORCH_CHECK(offset[0] == 0 && offset[rows - 1] >= 0 && offset[rows - 1] <= n_codes &&
+                  offset[rows - 1] + row_code_bytes(bits.data_ptr<uint8_t>() + (rows - 1) * (n_cols / 8),
+                                                    n_cols / 32) == n_codes,
+              kOp, ": row_offsets and bitmap do not account for the ", n_codes, " bytes of codes (check the "
+              "layout with sparse_formats.get_format('bitmap-q4').check)");
+
+  at::Tensor x2 = x.reshape({m, n_cols});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
+
+  Q4Problem p{};
+  p.dtype = dtype;
+  p.bitmap = bits.data_ptr<uint8_t>();
+  p.row_offsets = offset;
+  p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  p.groups = scale.size(1);
+  p.group_words = group / 32;
+  p.rows = rows;
+  p.cols = n_cols;
+  p.m = m;
+  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_stride = rows;
+
+  // Codes of the last rows, with kCodePad zeros after them.
+  const int64_t unpadded = first_unpadded_row(offset, rows, n_codes);
+  const int64_t tail_first = unpadded < rows ? offset[unpadded] : n_codes;
+  at::Tensor tail = at::empty({n_codes - tail_first + kCodePad}, code.options());
+  uint8_t* tail_data = tail.data_ptr<uint8_t>();
+  std::memcpy(tail_data, code.data_ptr<uint8_t>() + tail_first, n_codes - tail_first);
+  std::memset(tail_data + (n_codes - tail_first), 0, kCodePad);
+  const Codes whole{code.data_ptr<uint8_t>(), 0}, padded{tail_data, tail_first};
+  const int64_t grain = std::max<int64_t>(1, kTaskWeights / n_cols);
+
+  if (m <= kSparseMaxM) {
+    p.x_is_bf16 = isa == Q4Isa::Avx512 && dtype == DType::BF16;
+    at::Tensor packed;
+    if (p.x_is_bf16 && m > 1) {
+      packed = at::empty({m, n_cols}, x.options());
+      interleave_words(static_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), m, n_cols,
+                       static_cast<uint16_t*>(packed.data_ptr()));
+    } else if (p.x_is_bf16 || dtype == DType::F32) {
+      packed = x2;  // one bf16 row is already interleaved; fp32 rows are read as they are
+    } else {
+      packed = at::empty({m, n_cols}, x.options().dtype(at::kFloat));
+      widen_x_avx2(dtype, x2.data_ptr(), x2.stride(0), m, n_cols, packed.data_ptr<float>(), n_cols);
+    }
+    p.x = packed.data_ptr();
+    p.x_stride = packed.stride(0);
+    const auto gemm = isa == Q4Isa::Avx512 ? q4_gemm_rows_avx512 : q4_gemm_rows_avx2;
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      const int64_t split = std::clamp(unpadded, begin, end);
+      if (begin < split) gemm(p, whole, begin, split);
+      if (split < end) gemm(p, padded, split, end);
+    });
+    return y;
+  }
+
+  // fp32 tiles, so that x W^T sees W exactly (a bf16 tile would round the weights to 8 bits).
+  const auto decode = isa == Q4Isa::Avx512 ? q4_decode_rows_avx512 : q4_decode_rows_avx2;
+  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (n_cols * 4), 16, rows);
+  at::Tensor tile = at::empty({tile_rows, n_cols}, x.options().dtype(at::kFloat));
+  float* tile_data = tile.data_ptr<float>();
+  const at::Tensor x32 = x2.to(at::kFloat);
+  at::Tensor y2 = y.view({m, rows});
+  for (int64_t first = 0; first < rows; first += tile_rows) {
+    const int64_t last = std::min(rows, first + tile_rows);
+    at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
+      const int64_t split = std::clamp(unpadded, begin, end);
+      const auto out = [&](int64_t row) { return tile_data + (row - first) * n_cols; };
+      if (begin < split) decode(p, whole, begin, split, out(begin), n_cols);
+      if (split < end) decode(p, padded, split, end, out(split), n_cols);
+    });
+    const at::Tensor w = tile.narrow(0, 0, last - first);
+    y2.narrow(1, first, last - first)
+        .copy_(bias32.has_value() ? at::addmm(bias32->narrow(0, first, last - first), x32, w.t())
+                                  : at::mm(x32, w.t()));
+  }
+  return y;
+}
+
+void bitmap_q4_validate(const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& row_offsets, int64_t n_cols) {
+  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_validate";
+  check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
+  const at::Tensor bits = bitmap.contiguous(), offsets = row_offsets.contiguous();
+  const int32_t* offset = offsets.data_ptr<int32_t>();
+  int64_t expected = 0;
+  for (int64_t row = 0; row < bits.size(0); ++row) {
+    TORCH_CHECK(offset[row] == expected, kOp, ": row_offsets[", row, "] is ", offset[row],
+                ", but the bitmap puts that row's first code at byte ", expected);
+    expected += row_code_bytes(bits.data_ptr<uint8_t>() + row * (n_cols / 8), n_cols / 32);
+  }
+  TORCH_CHECK(expected == codes.numel(), kOp, ": the bitmap needs ", expected, " bytes of codes, codes holds ",
+              codes.numel());
+}
+
+}  // namespace
+}  // namespace leap_sparse
+
+TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
+  m.def("bitmap_q4_linear(Tensor x, Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("bitmap_q4_validate(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) {
+  m.impl("bitmap_q4_linear", &leap_sparse::bitmap_q4_linear);
+  m.impl("bitmap_q4_validate", &leap_sparse::bitmap_q4_validate);
+}

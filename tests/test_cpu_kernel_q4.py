@@ -1,0 +1,282 @@
+"""The native CPU op on the bitmap-q4 layout (`leap_sparse_cpu::bitmap_q4_linear`) against the dequantized
+dense masked matmul computed plainly in float64 (`get_format("bitmap-q4").decode` gives W in fp32, exactly),
+on every instruction-set path this CPU runs, x in bf16, fp16 and fp32, 1 and 2 threads, M = 1..17, 24, 40
+(the sparse kernels), 41 and 64 (fp32 tiles and ATen's GEMM), groups of 32, 64 and 128 columns, row counts
+that are not a multiple of the kernels' blocks, densities 0, 0.5 and 1, tensor-parallel row slices, and
+reads that must stay inside the codes tensor (a guard page after it)."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from serving import cpu_kernel
+from sparse_formats import get_format
+
+pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                reason="the native kernel is built for x86-64 only")
+
+FMT = get_format("bitmap-q4")
+XDTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# Significant bits of each output dtype: rounding the fp32 result to it costs at most half an ulp, a
+# relative 2^-bits (2^-8 for bf16).
+SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+# (rows, cols, group): one row, rows not a multiple of the blocks of 4, 3 or 2 weight rows (1, 3, 5, 67),
+# one word per row, a group per word, the default group, 128-column groups, rows wider than 2048 columns.
+SHAPES = [(1, 32, 32), (3, 64, 64), (5, 96, 32), (67, 576, 64), (13, 2176, 128), (6, 4096, 64)]
+DENSITIES = [0.0, 0.5, 1.0]
+MS = [*range(1, 18), 24, 40, 41, 64]
+
+
+@pytest.fixture(scope="module")
+def op():
+    assert cpu_kernel.load(), cpu_kernel.unavailable_reason()  # an x86-64 machine with g++ must build it
+    return torch.ops.leap_sparse_cpu.bitmap_q4_linear
+
+
+@pytest.fixture(params=cpu_kernel.ISAS)
+def isa(request, op):
+    if request.param not in cpu_kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    with cpu_kernel.using_isa(request.param) as active:
+        yield active
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def encoded(rows: int, cols: int, density: float, group: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random weight encoded by the format itself (absmax scales); row 0 is kept whole and row 1 emptied
+    when there are more than two rows, whatever the density."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=gen)
+    mask = torch.rand(rows, cols, generator=gen) < density
+    if rows > 2:
+        mask[0], mask[1] = True, False
+    return FMT.encode(weight, mask, group_size=group)
+
+
+def call(op, x, t: dict[str, torch.Tensor], bias=None):
+    return op(x, t["bitmap"], t["codes"], t["scales"], t["row_offsets"], t["bitmap"].shape[1] * 8, bias)
+
+
+def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias) -> float:
+    """How far the worst output lies outside its bound (<= 0: all inside). Per output: the fp32 sums'
+    error, at most cols * 2^-23 * sum |x w| (K additions at 2^-24 each, with a factor 2 for the group
+    folds and the order), then the rounding to the output dtype, 2^-bits of the value."""
+    product = x.double() @ dense.double().T
+    expected = product + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ dense.double().abs().T
+    summing = dense.shape[1] * 2.0**-23 * magnitude
+    bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + 1e-30
+    return ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
+
+
+@pytest.mark.parametrize("xdtype", XDTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_every_m_and_density_matches_the_dequantized_dense_matmul(op, isa, threads, xdtype, shape):
+    rows, cols, group = shape
+    for density in DENSITIES:
+        t = encoded(rows, cols, density, group, seed=int(density * 10) + rows)
+        dense = FMT.decode(t)
+        bias = torch.randn(rows).to(xdtype)
+        for m in MS:
+            x = torch.randn(m, cols).to(xdtype)
+            b = bias if m % 2 else None
+            got = call(op, x, t, b)
+            assert got.shape == (m, rows) and got.dtype == xdtype
+            assert excess(got, x, dense, b) <= 0, f"{isa} {xdtype} density {density} M {m}"
+
+
+def test_a_flipped_code_or_scale_is_seen(op, isa, one_thread):
+    """The bound above is tight enough to catch one wrong weight: flipping one code's top bit (a change of
+    8 levels) or doubling one scale puts outputs outside it, for the sparse kernels and the GEMM path."""
+    t = encoded(9, 576, 0.5, 64, seed=3)
+    dense = FMT.decode(t)
+    flipped = dict(t, codes=t["codes"].clone())
+    flipped["codes"][int(t["row_offsets"][4]) + 5] ^= 0x80
+    rescaled = dict(t, scales=t["scales"].clone())
+    rescaled["scales"][6, 3] *= 2
+    for m in (1, 3, 8, 41):
+        x = torch.randn(m, 576).to(torch.bfloat16)
+        assert excess(call(op, x, t), x, dense, None) <= 0
+        assert excess(call(op, x, flipped), x, dense, None) > 0, m
+        assert excess(call(op, x, flipped), x, FMT.decode(flipped), None) <= 0
+        assert excess(call(op, x, rescaled), x, dense, None) > 0, m
+
+
+@pytest.mark.parametrize("xdtype", XDTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 40, 41, 64])
+def test_small_integers_give_exact_results(op, isa, one_thread, xdtype, m):
+    """Scale 2 and codes 6..9 give weights -3, -1, 1, 3; x in {-1, 0, 1} over 160 columns (half kept): every
+    partial sum is an integer below 256, exact in fp32 and in both 16-bit types, so every path must match
+    the reference bit for bit."""
+    gen = torch.Generator().manual_seed(m)
+    weight = (torch.randint(6, 10, (70, 160), generator=gen).float() - 7.5) * 2
+    mask = torch.rand(70, 160, generator=gen) < 0.5
+    t = FMT.encode(weight, mask, scales=torch.full((70, 5), 2.0, dtype=torch.float16))
+    x = torch.randint(-1, 2, (m, 160), generator=gen).to(xdtype)
+    expected = (x.double() @ FMT.decode(t).double().T).to(xdtype)
+    assert torch.equal(call(op, x, t), expected)
+
+
+def test_thread_count_does_not_change_the_result(op, isa):
+    """Each output is summed by one thread in a fixed order, so 1 and 2 threads agree exactly."""
+    t = encoded(301, 576, 0.4)
+    before = torch.get_num_threads()
+    try:
+        for m in (1, 2, 3, 4, 8, 16, 20, 40, 48):
+            x = torch.randn(m, 576).to(torch.bfloat16)
+            torch.set_num_threads(1)
+            one = call(op, x, t)
+            torch.set_num_threads(2)
+            assert torch.equal(call(op, x, t), one), m
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_avx512_and_avx2_agree_within_rounding(op, one_thread):
+    if cpu_kernel.supported_isas() != list(cpu_kernel.ISAS):
+        pytest.skip("needs a CPU that runs both kernels")
+    t = encoded(64, 320, 0.5, 32)
+    for xdtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 320).to(xdtype)
+        results = {}
+        for name in cpu_kernel.ISAS:
+            with cpu_kernel.using_isa(name):
+                results[name] = call(op, x, t).float()
+        tol = 1e-5 if xdtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(results["avx512"], results["avx2"], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("start,stop", [(0, 20), (20, 45), (13, 14), (44, 45)])
+def test_tensor_parallel_row_slices(op, isa, one_thread, start, stop):
+    """What a rank holds of a column-parallel layer: rows start..stop, their codes re-based by the first
+    offset, against the same rows of the dense weight."""
+    t = encoded(45, 192, 0.5)
+    dense = FMT.decode(t)
+    offsets = t["row_offsets"].long()
+    first = int(offsets[start])
+    last = int(offsets[stop]) if stop < 45 else t["codes"].numel()
+    part = {"bitmap": t["bitmap"][start:stop], "codes": t["codes"][first:last],
+            "scales": t["scales"][start:stop], "row_offsets": (t["row_offsets"][start:stop] - first)}
+    for m in (1, 5, 41):
+        x = torch.randn(m, 192).to(torch.bfloat16)
+        assert excess(call(op, x, part), x, dense[start:stop], None) <= 0
+
+
+def test_leading_dimensions_strides_and_zero_rows_of_x(op, isa, one_thread):
+    t = encoded(24, 64, 0.5)
+    dense = FMT.decode(t)
+    x = torch.randn(2, 3, 64)
+    got = call(op, x, t)
+    assert got.shape == (2, 3, 24)
+    assert excess(got.reshape(6, 24), x.reshape(6, 64), dense, None) <= 0
+    assert call(op, torch.randn(0, 64), t).shape == (0, 24)
+    strided = torch.randn(4, 128).to(torch.bfloat16)[:, ::2]  # a non-contiguous view
+    assert excess(call(op, strided, t), strided, dense, None) <= 0
+    bias = torch.randn(24, dtype=torch.float64)  # any float dtype, added in fp32
+    assert excess(call(op, x[0], t, bias), x[0], dense, bias) <= 0
+
+
+def test_validate_checks_every_row(op):
+    t = encoded(10, 128, 0.5)
+    args = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 128)
+    torch.ops.leap_sparse_cpu.bitmap_q4_validate(*args)
+    wrong = t["row_offsets"].clone()
+    wrong[5] += 1
+    validate = torch.ops.leap_sparse_cpu.bitmap_q4_validate
+    with pytest.raises(RuntimeError, match=r"row_offsets\[5\] is \d+, but the bitmap puts that row's first"):
+        validate(t["bitmap"], t["codes"], t["scales"], wrong, 128)
+    with pytest.raises(RuntimeError, match="codes holds"):
+        validate(t["bitmap"], t["codes"][:-1], t["scales"], t["row_offsets"], 128)
+
+
+def test_bad_input_is_refused_with_a_message(op):
+    t = encoded(8, 128, 0.5)
+    x = torch.randn(2, 128)
+
+    def with_(**parts):
+        return call(op, parts.pop("x", x), {**t, **parts})
+
+    with pytest.raises(RuntimeError, match="x has 127 features, the weight has 128 columns"):
+        with_(x=torch.randn(2, 127))
+    with pytest.raises(RuntimeError, match="supports bfloat16, float16 and float32 x"):
+        with_(x=x.double())
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        with_(scales=t["scales"].float())
+    with pytest.raises(RuntimeError, match="whole 32-column words"):
+        with_(scales=torch.ones(8, 8, dtype=torch.float16))  # groups of 16 columns
+    with pytest.raises(RuntimeError, match="row_offsets must be int32"):
+        with_(row_offsets=t["row_offsets"].long())
+    with pytest.raises(RuntimeError, match="codes must be 1-D uint8"):
+        with_(codes=t["codes"].view(1, -1))
+    with pytest.raises(RuntimeError, match="do not account for"):
+        with_(codes=t["codes"][:-1])
+    with pytest.raises(RuntimeError, match="do not account for"):
+        with_(row_offsets=t["row_offsets"] + 1)
+    with pytest.raises(RuntimeError, match="n_cols must be a positive multiple of 32"):
+        bitmap40 = torch.zeros(8, 5, dtype=torch.uint8)
+        op(torch.randn(2, 40), bitmap40, t["codes"], t["scales"], t["row_offsets"], 40)
+    with pytest.raises(RuntimeError, match="bias must have 8 entries"):
+        call(op, x, t, torch.randn(7))
+
+
+def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
+    t = encoded(12, 64, 0.4)
+    dense = FMT.decode(t)
+    args = (torch.randn(4, 64), t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 64, torch.randn(12))
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+    def layer(x):
+        return torch.relu(call(op, x, t))
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (3, 5):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(compiled(x), torch.relu(x @ dense.T))
+
+
+# Run in a child process: a read past the end of the codes is a segmentation fault there, not here.
+GUARD_PAGE = """
+import ctypes, mmap, sys, torch
+from serving import cpu_kernel
+from sparse_formats import get_format
+assert cpu_kernel.load()
+torch.ops.leap_sparse_cpu.set_isa(sys.argv[1])
+libc = ctypes.CDLL(None)
+fmt = get_format("bitmap-q4")
+for rows, density in ((3, 1.0), (40, 0.03), (1, 0.02), (17, 0.5)):
+    t = fmt.encode(torch.randn(rows, 256), torch.rand(rows, 256) < density, group_size=32)
+    n = t["codes"].numel()
+    page = mmap.PAGESIZE
+    size = (n // page + 2) * page
+    buf = mmap.mmap(-1, size)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert libc.mprotect(ctypes.c_void_p(addr + size - page), page, 0) == 0  # PROT_NONE after the codes
+    codes = torch.frombuffer(buf, dtype=torch.uint8)[size - page - n:size - page]
+    codes.copy_(t["codes"])
+    for m in (1, 3, 8, 9, 41):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        y = torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, t["bitmap"], codes, t["scales"], t["row_offsets"],
+                                                       256)
+        ref = x.float() @ fmt.decode(t).T
+        assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * (1 + float(ref.abs().max())))
+print("inside")
+"""
+
+
+def test_reads_stay_inside_the_codes_tensor(op, isa):
+    """The codes end right before an inaccessible page: a load past their end kills the child process."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", GUARD_PAGE, isa], capture_output=True, text=True, cwd=repo,
+                          env={**os.environ, "PYTHONPATH": repo}, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "inside", done.stderr[-2000:]

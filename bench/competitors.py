@@ -3,6 +3,9 @@
 - `write_gptq_checkpoint`: a dense 4-bit GPTQ checkpoint (round to nearest, symmetric, groups of input
   columns) that stock vLLM serves through its own GPTQ path (on CPU: `CPUWNA16LinearKernel`);
   `write_gptq_reference` writes the same weights dequantized, fp32, to check that path against.
+- `write_gguf`: llama.cpp's F16 GGUF (its own converter) or Q4_0 (its own quantizer on that F16).
+- `start_llama_cpp_server`: the command that serves a GGUF with llama-cpp-python's OpenAI-compatible
+  server (`LLAMA_CPP_COMPLETION` is the request body that makes it generate exactly max_tokens).
 - `make_llama_1b_shape`: a random Llama with Llama-3.2-1B's decoder shapes, to time a model the size of
   a real deployment without downloading one.
 
@@ -11,7 +14,9 @@ sibling that is renamed at the end, so that an interrupted run leaves nothing th
 """
 
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+MAIN_VENV = Path("/work/main/.venv")
+BENCH_VENV = Path("/work/main/.venv-bench")  # `make bench-setup`: llama-cpp-python and llama.cpp's converter
 # Tokenizer and generation files copied next to a rewritten checkpoint (whichever the source has).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
@@ -183,3 +190,61 @@ def make_llama_1b_shape(out: Path, tokenizer_dir: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+# llama.cpp's quantizer through llama-cpp-python's ctypes binding; argv: F16 input, output, ftype.
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+params.allow_requantize = True
+params.nthread = 1
+if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)):
+    sys.exit("llama_model_quantize failed")
+"""
+GGUF_FTYPES = {"q4_0": 2}  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
+
+
+def _run(command: list[str], **env: str) -> None:
+    """Run a chatty tool quietly; on failure raise with the end of what it said."""
+    done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True)
+    if done.returncode:
+        said = (done.stdout + done.stderr)[-2000:]
+        raise RuntimeError(f"{command[1]} exited with {done.returncode}: {said}")
+
+
+def write_gguf(model_dir: Path, out: Path, kind: str, main_venv: Path = MAIN_VENV,
+               bench_venv: Path = BENCH_VENV) -> Path:
+    """`out` as a GGUF of kind "f16" (llama.cpp's convert_hf_to_gguf.py, run by the main venv's Python,
+    which has the torch and transformers it imports) or "q4_0" (llama.cpp's quantizer on the F16 GGUF of
+    the same name with its last suffix replaced, MODEL.q4_0.gguf -> MODEL.f16.gguf, written first unless
+    there)."""
+    if out.is_file():
+        _say(f"{kind} gguf {out} exists")
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    if kind == "f16":
+        _say(f"converting {model_dir} to an f16 gguf {out}")
+        converter = bench_venv / "llama.cpp"
+        _run([str(main_venv / "bin/python"), str(converter / "convert_hf_to_gguf.py"), str(model_dir),
+              "--outtype", "f16", "--outfile", str(tmp)], PYTHONPATH=str(converter / "gguf-py"))
+    elif kind in GGUF_FTYPES:
+        f16 = out.with_suffix("").with_suffix(".f16.gguf")
+        write_gguf(model_dir, f16, "f16", main_venv, bench_venv)
+        _say(f"quantizing {f16} to a {kind} gguf {out}")
+        _run([str(bench_venv / "bin/python"), "-c", _QUANTIZE, str(f16), str(tmp), str(GGUF_FTYPES[kind])])
+    else:
+        raise ValueError(f"unknown gguf kind {kind!r}; known: f16, {', '.join(GGUF_FTYPES)}")
+    tmp.rename(out)
+    return out
+
+
+def start_llama_cpp_server(gguf: Path, port: int, threads: int, log: Path,
+                           bench_venv: Path = BENCH_VENV) -> list[str]:
+    """The command line of llama-cpp-python's OpenAI-compatible server on `gguf` (the caller runs it,
+    with its output in `log`); `threads` for both decode and prompt processing."""
+    _say(f"llama.cpp server on {gguf.name}, {threads} threads, port {port}, log {log}")
+    return [str(bench_venv / "bin/python"), "-m", "llama_cpp.server", "--model", str(gguf),
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--port", str(port),
+            "--host", "127.0.0.1", "--n_ctx", "1024"]

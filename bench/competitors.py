@@ -5,7 +5,7 @@
   `write_gptq_reference` writes the same weights dequantized, fp32, to check that path against.
 - `write_gguf`: llama.cpp's F16 GGUF (its own converter) or Q4_0 (its own quantizer on that F16).
 - `start_llama_cpp_server`: the command that serves a GGUF with llama-cpp-python's OpenAI-compatible
-  server (`LLAMA_CPP_COMPLETION` is the request body that makes it generate exactly max_tokens).
+  server; `llama_cpp_completion` the request body that makes it generate exactly max_tokens tokens.
 - `make_llama_1b_shape`: a random Llama with Llama-3.2-1B's decoder shapes, to time a model the size of
   a real deployment without downloading one.
 
@@ -248,3 +248,14 @@ def start_llama_cpp_server(gguf: Path, port: int, threads: int, log: Path,
     return [str(bench_venv / "bin/python"), "-m", "llama_cpp.server", "--model", str(gguf),
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--port", str(port),
             "--host", "127.0.0.1", "--n_ctx", "1024"]
+
+
+def llama_cpp_completion(prompt: str, max_tokens: int) -> dict:
+    """A streamed greedy /v1/completions body for that server that yields exactly `max_tokens` tokens.
+
+    Its schema takes only text (a token-id prompt is refused, HTTP 500); SmolLM2's text decoded from n
+    token ids came back as n prompt tokens (no BOS added). It accepts `ignore_eos` and ignores it:
+    `min_tokens` masks EOS until max_tokens. The stream is one chunk per token, then one with empty text
+    and finish_reason "length"; no chunk carries usage, even with stream_options.include_usage."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
+            "stream": True}

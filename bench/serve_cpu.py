@@ -96,8 +96,8 @@ def post(url: str, body: dict, timeout: float = 600):
 class Server:
     """A vLLM API server in its own process group, its log in a file, its memory sampled while it runs."""
 
-    def __init__(self, command: list[str], log: Path, port: int) -> None:
-        self.base, self.port = f"http://127.0.0.1:{port}", port
+    def __init__(self, command: list[str], log: Path, port: int, health: str = "/health") -> None:
+        self.base, self.port, self.health = f"http://127.0.0.1:{port}", port, health
         self._log = open(log, "w")
         self.process = subprocess.Popen(command, cwd=REPO, env=server_env(1), stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -132,7 +132,7 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}; see {self._log.name}")
             try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:
+                with urllib.request.urlopen(f"{self.base}{self.health}", timeout=2) as response:
                     if response.status == 200:
                         self._sampler.start()
                         return time.monotonic() - start

@@ -12,8 +12,9 @@ Servers, per model (each started, measured and stopped before the next; the mach
 - `llama.cpp-q4_0`, `llama.cpp-f16`: llama-cpp-python's OpenAI-compatible server on GGUFs converted by
   llama.cpp's own converter (Q4_0 by its quantizer), `--n_threads 1`: vLLM binds its CPU worker to one core
   on this 2-core machine (the other is left to the API server), so llama.cpp gets one thread too;
-- `leapctl-q4-50`, `leapctl-q4-60`: `leapctl serve` on a bitmap-q4 export (magnitude pruning, then
-  `leapctl quantize --method rtn`, group 64). Speed depends on the density, not on which weights are kept;
+- `leapctl-q4-50`, `leapctl-q4-50-head4`, `leapctl-q4-60-head4`: `leapctl serve` on a bitmap-q4 export
+  (magnitude pruning at 50 or 60%, then `leapctl quantize --method rtn`, group 64; `-head4` with
+  `--lm-head`, lm_head in 4 bits too). Speed depends on the density, not on which weights are kept; the
   quality of LEAP/GPTQ variants is bench/quality_q4.py's job.
 Models: SmolLM2-135M (real) and `llama-1b-shape`, Llama-3.2-1B's decoder shapes with random weights and
 SmolLM2's vocabulary (49152, so that its tokenizer decodes every id; Llama-3.2's 128256-entry lm_head would
@@ -29,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,13 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import competitors  # noqa: E402
 from cpu_kernels import device_name  # noqa: E402
-from serve_cpu import Server, free_port, leapctl, load_phase, prompts, stream  # noqa: E402
+from serve_cpu import Server, free_port, leapctl, post, prompts  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50", "leapctl-q4-60")
+SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50", "leapctl-q4-50-head4",
+           "leapctl-q4-60-head4")
 VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
 
 
@@ -58,23 +62,25 @@ def dense_model(name: str, work: Path) -> Path:
     raise SystemExit(f"unknown model {name!r} (smollm2-135m or llama-1b-shape)")
 
 
-def q4_export(dense: Path, work: Path, sparsity: float, group_size: int) -> Path:
-    """prune (magnitude) -> quantize (rtn) -> export bitmap-q4, each step skipped when its output exists."""
-    stem = work / f"{dense.name}-mag{round(sparsity * 100)}"
-    run, quantized, export = stem, stem.with_name(stem.name + "-q4"), stem.with_name(stem.name + "-q4-export")
+def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head: bool) -> Path:
+    """prune (magnitude) -> quantize (rtn, lm_head too if asked) -> export bitmap-q4, each step skipped when
+    its output exists."""
+    run = work / f"{dense.name}-mag{round(sparsity * 100)}"
+    quantized = run.with_name(run.name + ("-q4-head4" if lm_head else "-q4"))
+    export = quantized.with_name(quantized.name + "-export")
     if not (run / "report.json").is_file():
         leapctl("prune", str(dense), "--method", "magnitude", "--sparsity", str(sparsity), "--out", str(run),
                 "--overwrite")
     if not (quantized / "report.json").is_file():
         leapctl("quantize", str(run), "--method", "rtn", "--group-size", str(group_size), "--out",
-                str(quantized), "--overwrite")
+                str(quantized), "--overwrite", "--lm-head" if lm_head else "--no-lm-head")
     if not (export / "manifest.json").is_file():
         leapctl("export", str(quantized), "--format", "bitmap-q4", "--out", str(export), "--overwrite")
     return export
 
 
 def commands(model: str, dense: Path, work: Path, args) -> dict:
-    """Server name -> (served model name, command_for(port)) for the servers asked for."""
+    """Server name -> (kind: vllm or llama.cpp, command_for(port)) for the servers asked for."""
     chosen = {}
     for server in args.servers:
         if server == "vllm-bf16":
@@ -83,41 +89,96 @@ def commands(model: str, dense: Path, work: Path, args) -> dict:
             folder = competitors.write_gptq_checkpoint(dense, work / f"{dense.name}-gptq-g64", 64)
         elif server.startswith("llama.cpp-"):
             kind = server.split("-", 1)[1]
-            gguf = competitors.write_gguf(dense, work / f"{dense.name}-{kind}.gguf", kind)
-            chosen[server] = ("llama", lambda port, gguf=gguf: competitors.llama_cpp_server_command(
-                gguf, port, args.threads))
+            gguf = competitors.write_gguf(dense, work / f"{dense.name}.{kind}.gguf", kind)
+            chosen[server] = ("llama.cpp", lambda port, gguf=gguf, log=work / f"{server}.log":
+                              competitors.start_llama_cpp_server(gguf, port, args.threads, log))
             continue
         elif server.startswith("leapctl-q4-"):
-            sparsity = int(server.rsplit("-", 1)[1]) / 100
-            export = q4_export(dense, work, sparsity, args.group_size)
-            chosen[server] = ("sparse", lambda port, export=export: server_command(
-                export, "127.0.0.1", port, 1, ["--served-model-name", "sparse", *VLLM_FLAGS]))
+            sparsity = int(server.split("-")[2]) / 100
+            export = q4_export(dense, work, sparsity, args.group_size, server.endswith("-head4"))
+            chosen[server] = ("vllm", lambda port, export=export: server_command(
+                export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS]))
             continue
         else:
             raise SystemExit(f"unknown server {server!r} (choose from {', '.join(SERVERS)})")
-        chosen[server] = ("dense", lambda port, folder=folder: [
+        chosen[server] = ("vllm", lambda port, folder=folder: [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-            "--served-model-name", "dense", "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port),
             "--chat-template", PLAIN_CHAT_TEMPLATE, *VLLM_FLAGS])
     return chosen
 
 
-def measure(name: str, served: str, command_for, args, texts: list[list[int]],
-            long_prompts: list[list[int]]) -> dict:
+def request_body(kind: str, prompt: tuple[list[int], str], max_tokens: int) -> dict:
+    """A streamed greedy completion of exactly `max_tokens` tokens: vLLM takes the token ids and ignores
+    EOS; llama-cpp-python's server takes only text (the same ids decoded, which it tokenizes back to as
+    many) and holds EOS off with `min_tokens`."""
+    ids, text = prompt
+    if kind == "llama.cpp":
+        return competitors.llama_cpp_completion(text, max_tokens)
+    return {"model": "model", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+
+def stream(server: Server, body: dict) -> dict:
+    """One streamed completion: timestamps of the request, its first and last token, and its tokens (one
+    per chunk with text, which is how both servers stream)."""
+    start, first, last, tokens = time.perf_counter(), None, None, 0
+    with post(f"{server.base}/v1/completions", body) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("choices") and event["choices"][0].get("text"):
+                now = time.perf_counter()
+                first, last, tokens = first or now, now, tokens + 1
+    return {"start": start, "first": first, "last": last, "tokens": tokens}
+
+
+def load_phase(server: Server, kind: str, texts: list, clients: int, rounds: int, max_tokens: int) -> dict:
+    """`clients` threads each stream `rounds` completions; decode_tok_s = tokens after the first over the
+    time after the first, summed over requests, times the clients (serve_cpu.py explains why)."""
+    results, errors = [], []
+
+    def client(index: int) -> None:
+        try:
+            for r in range(rounds):
+                prompt = texts[(index * rounds + r) % len(texts)]
+                results.append(stream(server, request_body(kind, prompt, max_tokens)))
+        except Exception as exc:  # reported below; a failed request must not hang the run
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    decoding = [r for r in results if r["last"] > r["first"]]
+    rate = sum(r["tokens"] - 1 for r in decoding) / sum(r["last"] - r["first"] for r in decoding)
+    return {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "wall_s": round(wall, 3), "decode_tok_s": round(clients * rate, 2),
+            "ttft_s": round(sum(r["first"] - r["start"] for r in results) / len(results), 3)}
+
+
+def measure(name: str, kind: str, command_for, args, texts: list, long_prompts: list) -> dict:
     port = free_port()
     log = args.work / f"{name}.log"
     print(f"starting {name} (log {log})", flush=True)
-    server = Server(command_for(port), log, port)
+    server = Server(command_for(port), log, port, health="/v1/models")
     try:
         start_s = server.wait_ready()
-        stream(server, served, texts[0], 4)  # warm-up
+        stream(server, request_body(kind, texts[0], 4))  # warm-up
         phases = []
         for clients in args.clients:
-            phases.append(load_phase(server, served, texts, clients, args.rounds, args.max_tokens))
+            phases.append(load_phase(server, kind, texts, clients, args.rounds, args.max_tokens))
             print(f"  {name}: {phases[-1]}", flush=True)
-        prefill = [stream(server, served, prompt, 1) for prompt in long_prompts]
+        prefill = [stream(server, request_body(kind, prompt, 1)) for prompt in long_prompts]
         prefill_s = statistics.median(r["first"] - r["start"] for r in prefill)
-        print(f"  {name}: prefill of {len(long_prompts[0])} tokens {prefill_s:.3f} s", flush=True)
+        print(f"  {name}: prefill of {len(long_prompts[0][0])} tokens {prefill_s:.3f} s", flush=True)
         time.sleep(1.5)
         return {"start_s": round(start_s, 1), "phases": phases, "prefill_s": round(prefill_s, 3),
                 "peak_rss_mib": round(server.peak_rss / 2**20)}
@@ -174,11 +235,14 @@ def main() -> None:
         # one stream of held-out text cut into distinct prompts: no server can serve a prefix from its cache
         count = max(args.clients) * args.rounds
         ids = prompts(dense, 1, count * args.prompt_tokens + 3 * args.prefill_tokens)[0]
-        texts = [ids[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(count)]
+        tokenizer = AutoTokenizer.from_pretrained(dense)
+        cut = [ids[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(count)]
         rest = ids[count * args.prompt_tokens:]
-        long_prompts = [rest[i * args.prefill_tokens:(i + 1) * args.prefill_tokens] for i in range(3)]
-        results[model] = {name: measure(name, served, command_for, args, texts, long_prompts)
-                          for name, (served, command_for) in servers.items()}
+        cut_long = [rest[i * args.prefill_tokens:(i + 1) * args.prefill_tokens] for i in range(3)]
+        texts = [(p, tokenizer.decode(p)) for p in cut]
+        long_prompts = [(p, tokenizer.decode(p)) for p in cut_long]
+        results[model] = {name: measure(name, kind, command_for, args, texts, long_prompts)
+                          for name, (kind, command_for) in servers.items()}
     result = {"settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "device": device_name()},
               "load_before": load_before, "load_after": os.getloadavg()[0], "models": results}

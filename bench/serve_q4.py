@@ -45,7 +45,8 @@ from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50", "leapctl-q4-50-head4",
+SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50",
+           "leapctl-q4-50-head4",
            "leapctl-q4-60-head4")
 VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
 

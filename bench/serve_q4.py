@@ -20,9 +20,10 @@ Models: SmolLM2-135M (real) and `llama-1b-shape`, Llama-3.2-1B's decoder shapes 
 SmolLM2's vocabulary (49152, so that its tokenizer decodes every id; Llama-3.2's 128256-entry lm_head would
 add 0.5 GB of dense bf16 reads per token to every server alike).
 
-Measured per server: decode_tok_s (1 client and 8): generated tokens after the first over the time after the
-first, summed over requests (`serve_cpu.load_phase`), every request `--max-tokens` long (EOS ignored);
-prefill_s: time to the first token of three distinct 400-token prompts with one client, median. Writes
+Measured per server: decode_tok_s, one sequence: (N - 1) tokens over the median time of whole N-token
+completions minus that of 1-token ones (streamed chunk times came in bursts); output_tok_s with 8 clients:
+all generated tokens over the wall time, every request `--max-tokens` long (EOS held off); prefill_s: time
+to the first token of three distinct 400-token prompts with one client, median. Writes
 OUT.json and OUT.md with the load average before and after."""
 
 import argparse
@@ -137,8 +138,9 @@ def stream(server: Server, body: dict) -> dict:
 
 
 def load_phase(server: Server, kind: str, texts: list, clients: int, rounds: int, max_tokens: int) -> dict:
-    """`clients` threads each stream `rounds` completions; decode_tok_s = tokens after the first over the
-    time after the first, summed over requests, times the clients (serve_cpu.py explains why)."""
+    """`clients` threads each stream `rounds` completions: generated tokens over the wall time (prefill
+    included); `complete` says whether every request got its tokens (llama-cpp-python's server, one
+    request at a time, returned concurrent streams short)."""
     results, errors = [], []
 
     def client(index: int) -> None:
@@ -158,11 +160,29 @@ def load_phase(server: Server, kind: str, texts: list, clients: int, rounds: int
     wall = time.perf_counter() - start
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    decoding = [r for r in results if r["last"] > r["first"]]
-    rate = sum(r["tokens"] - 1 for r in decoding) / sum(r["last"] - r["first"] for r in decoding)
-    return {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
-            "wall_s": round(wall, 3), "decode_tok_s": round(clients * rate, 2),
-            "ttft_s": round(sum(r["first"] - r["start"] for r in results) / len(results), 3)}
+    tokens = sum(r["tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
+            "output_tok_s": round(tokens / wall, 2), "complete": tokens == len(results) * max_tokens}
+
+
+def timed(server: Server, body: dict) -> float:
+    """Seconds for one whole (not streamed) completion."""
+    start = time.perf_counter()
+    with post(f"{server.base}/v1/completions", {**body, "stream": False}) as response:
+        answer = json.loads(response.read())
+    if answer["usage"]["completion_tokens"] != body["max_tokens"]:
+        got = answer["usage"]["completion_tokens"]
+        raise RuntimeError(f"asked for {body['max_tokens']} tokens, got {got}")
+    return time.perf_counter() - start
+
+
+def one_stream_decode(server: Server, kind: str, texts: list, rounds: int, max_tokens: int) -> float:
+    """Decode tok/s of one sequence: (N - 1) tokens over the median time of N-token completions minus the
+    median time of 1-token ones, on distinct prompts of the same length (no prefix served from a cache).
+    Streamed chunks arrived in bursts on some servers, which made a rate from chunk times swing 2-9x."""
+    whole = [timed(server, request_body(kind, texts[2 * r], max_tokens)) for r in range(rounds)]
+    first = [timed(server, request_body(kind, texts[2 * r + 1], 1)) for r in range(rounds)]
+    return (max_tokens - 1) / (statistics.median(whole) - statistics.median(first))
 
 
 def measure(name: str, kind: str, command_for, args, texts: list, long_prompts: list) -> dict:
@@ -172,17 +192,19 @@ def measure(name: str, kind: str, command_for, args, texts: list, long_prompts: 
     server = Server(command_for(port), log, port, health="/v1/models")
     try:
         start_s = server.wait_ready()
-        stream(server, request_body(kind, texts[0], 4))  # warm-up
-        phases = []
-        for clients in args.clients:
-            phases.append(load_phase(server, kind, texts, clients, args.rounds, args.max_tokens))
-            print(f"  {name}: {phases[-1]}", flush=True)
+        stream(server, request_body(kind, texts[-1], 4))  # warm-up
+        decode = one_stream_decode(server, kind, texts, args.rounds, args.max_tokens)
+        print(f"  {name}: one sequence {decode:.1f} tok/s", flush=True)
+        phases = [load_phase(server, kind, texts, clients, args.rounds, args.max_tokens)
+                  for clients in args.clients if clients > 1]
+        for phase in phases:
+            print(f"  {name}: {phase}", flush=True)
         prefill = [stream(server, request_body(kind, prompt, 1)) for prompt in long_prompts]
         prefill_s = statistics.median(r["first"] - r["start"] for r in prefill)
         print(f"  {name}: prefill of {len(long_prompts[0][0])} tokens {prefill_s:.3f} s", flush=True)
         time.sleep(1.5)
-        return {"start_s": round(start_s, 1), "phases": phases, "prefill_s": round(prefill_s, 3),
-                "peak_rss_mib": round(server.peak_rss / 2**20)}
+        return {"start_s": round(start_s, 1), "decode_tok_s": round(decode, 2), "phases": phases,
+                "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(server.peak_rss / 2**20)}
     finally:
         server.stop()
 
@@ -196,15 +218,15 @@ def markdown(result: dict) -> str:
              f"{result['load_before']:.2f} before, {result['load_after']:.2f} after. One run.", ""]
     for model, servers in result["models"].items():
         reference = servers.get("llama.cpp-q4_0")
-        lines += [f"### {model}", "", "| server | decode tok/s, 1 client | x llama.cpp Q4_0 | 8 clients | "
-                  "prefill s | peak RSS MiB |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"### {model}", "", "| server | decode tok/s, one sequence | x llama.cpp Q4_0 | "
+                  "output tok/s, 8 clients | prefill s | peak RSS MiB |", "| --- | --- | --- | --- | --- | --- |"]
         for name, got in servers.items():
-            one = next(p for p in got["phases"] if p["clients"] == 1)["decode_tok_s"]
-            many = next((p["decode_tok_s"] for p in got["phases"] if p["clients"] > 1), float("nan"))
-            ratio = one / next(p for p in reference["phases"] if p["clients"] == 1)["decode_tok_s"] \
-                if reference else float("nan")
-            lines.append(f"| {name} | {one:.1f} | {ratio:.2f} | {many:.1f} | {got['prefill_s']:.3f} | "
-                         f"{got['peak_rss_mib']} |")
+            ratio = got["decode_tok_s"] / reference["decode_tok_s"] if reference else float("nan")
+            many = next((p for p in got["phases"]), None)
+            crowd = "" if many is None else f"{many['output_tok_s']:.1f}" + ("" if many["complete"] else
+                                                                              " (short answers)")
+            lines.append(f"| {name} | {got['decode_tok_s']:.1f} | {ratio:.2f} | {crowd} | "
+                         f"{got['prefill_s']:.3f} | {got['peak_rss_mib']} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -234,7 +256,7 @@ def main() -> None:
         dense = dense_model(model, args.work)
         servers = commands(model, dense, args.work, args)
         # one stream of held-out text cut into distinct prompts: no server can serve a prefix from its cache
-        count = max(args.clients) * args.rounds
+        count = max(max(args.clients) * args.rounds, 2 * args.rounds + 1)
         ids = prompts(dense, 1, count * args.prompt_tokens + 3 * args.prefill_tokens)[0]
         tokenizer = AutoTokenizer.from_pretrained(dense)
         cut = [ids[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(count)]

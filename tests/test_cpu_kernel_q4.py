@@ -68,14 +68,22 @@ def call(op, x, t: dict[str, torch.Tensor], bias=None):
     return op(x, t["bitmap"], t["codes"], t["scales"], t["row_offsets"], t["bitmap"].shape[1] * 8, bias)
 
 
+# Above this many rows of x the op multiplies decoded tiles with ATen's GEMM; with bf16 x the tiles are
+# rounded to bf16 first (serving/csrc/bitmap_q4_linear.cpp), half an ulp of each weight: 2^-9 relative.
+SPARSE_MAX_M = 40
+
+
 def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias) -> float:
     """How far the worst output lies outside its bound (<= 0: all inside). Per output: the fp32 sums'
     error, at most cols * 2^-23 * sum |x w| (K additions at 2^-24 each, with a factor 2 for the group
-    folds and the order), then the rounding to the output dtype, 2^-bits of the value."""
+    folds and the order), plus 2^-9 * sum |x w| where bf16 tiles round the weights, then the rounding to
+    the output dtype, 2^-bits of the value."""
     product = x.double() @ dense.double().T
     expected = product + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ dense.double().abs().T
     summing = dense.shape[1] * 2.0**-23 * magnitude
+    if x.dtype == torch.bfloat16 and x.reshape(-1, x.shape[-1]).shape[0] > SPARSE_MAX_M:
+        summing = summing + 2.0**-9 * magnitude
     bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + 1e-30
     return ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
 

@@ -219,7 +219,8 @@ def markdown(result: dict) -> str:
     for model, servers in result["models"].items():
         reference = servers.get("llama.cpp-q4_0")
         lines += [f"### {model}", "", "| server | decode tok/s, one sequence | x llama.cpp Q4_0 | "
-                  "output tok/s, 8 clients | prefill s | peak RSS MiB |", "| --- | --- | --- | --- | --- | --- |"]
+                  "output tok/s, 8 clients | prefill s | peak RSS MiB |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for name, got in servers.items():
             ratio = got["decode_tok_s"] / reference["decode_tok_s"] if reference else float("nan")
             many = next((p for p in got["phases"]), None)

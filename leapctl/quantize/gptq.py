@@ -10,7 +10,7 @@ Hessian is the one SparseGPT uses (`prune.sparsegpt.inverse_hessian_factor`)."""
 import torch
 from torch import nn
 
-from leapctl.prune.sparsegpt import PERCENT_DAMP, inverse_hessian_factor
+from leapctl.prune.sparsegpt import PERCENT_DAMP, SparseGPTPruner, inverse_hessian_factor
 from leapctl.quantize.rtn import round_to_grid, search_scales
 
 BLOCK_SIZE = 128
@@ -49,28 +49,21 @@ def gptq_quantize(weight: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
     return W.float(), scales
 
 
-class GPTQQuantizer:
-    """Accumulates X^T X for one masked linear layer (as SparseGPT does), then quantizes its kept
-    weights with the mask fixed; `sequential.prune_sequentially` drives it block by block."""
+class GPTQQuantizer(SparseGPTPruner):
+    """Accumulates X^T X for one masked linear layer (SparseGPT's statistics, inherited), then quantizes its
+    kept weights with the mask fixed; `sequential.prune_sequentially` drives it block by block."""
 
     def __init__(self, linear: nn.Linear, mask: torch.Tensor, group_size: int, scales_out: dict, name: str):
-        self.linear, self.mask, self.group_size = linear, mask, group_size
+        super().__init__(linear)
+        self.mask, self.group_size = mask, group_size
         self.scales_out, self.name = scales_out, name
-        n = linear.in_features
-        self.xtx = torch.zeros(n, n, dtype=torch.float32, device=linear.weight.device)
-        self.tokens = 0
-
-    def add_batch(self, inputs: torch.Tensor) -> None:
-        x = inputs.detach().reshape(-1, self.linear.in_features).float()
-        self.xtx.addmm_(x.T, x)
-        self.tokens += x.shape[0]
 
     @torch.no_grad()
     def prune(self, sparsity: float) -> torch.Tensor:
         """Quantize in place and return the (unchanged) keep-mask; `sparsity` is the mask's own."""
         hessian = self.xtx * (2.0 / max(self.tokens, 1))
         self.xtx = None
-        weight, scales = gptq_quantize(self.linear.weight, self.mask, hessian, self.group_size)
+        weight, scales = gptq_quantize(self.linear.weight, self.mask, hessian, self.group_size, self.percdamp)
         self.linear.weight.copy_(weight.to(self.linear.weight.dtype))
         self.scales_out[self.name] = scales.cpu()
         return self.mask.cpu()

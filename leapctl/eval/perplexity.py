@@ -69,13 +69,28 @@ def windowed_nll(model: torch.nn.Module, tokenizer, text: str, seq_len: int | No
                  device: str | torch.device | None = None, batch_size: int = 1,
                  progress: bool = True) -> tuple[float, int]:
     """Summed NLL (nats) and number of predicted tokens behind `perplexity`."""
-    seq_len = seq_len or default_seq_len(model)
-    if seq_len < 2:
-        raise LeapctlError(f"--seq-len must be at least 2, got {seq_len}")
     if DOCUMENT_SEPARATOR in text:
         ids = torch.cat([document_ids(tokenizer, doc) for doc in split_documents(text)])
     else:
         ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    return ids_nll(model, ids, seq_len, device, batch_size, progress)
+
+
+def ids_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq_len: int | None = None,
+                   device: str | torch.device | None = None, progress: bool = True) -> float:
+    """`perplexity` of a token stream that is already tokenised (1-D ids)."""
+    nll, count = ids_nll(model, ids, seq_len, device, progress=progress)
+    return math.exp(nll / count)
+
+
+def ids_nll(model: torch.nn.Module, ids: torch.Tensor, seq_len: int | None = None,
+            device: str | torch.device | None = None, batch_size: int = 1,
+            progress: bool = True) -> tuple[float, int]:
+    """Summed NLL (nats) and number of predicted tokens over the non-overlapping `seq_len` windows of 1-D
+    `ids` (the last partial window dropped)."""
+    seq_len = seq_len or default_seq_len(model)
+    if seq_len < 2:
+        raise LeapctlError(f"--seq-len must be at least 2, got {seq_len}")
     n_windows = ids.numel() // seq_len
     if n_windows == 0:
         raise LeapctlError(f"the text has {ids.numel()} tokens, fewer than one window of {seq_len}")

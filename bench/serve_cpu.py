@@ -12,7 +12,7 @@
    masks.safetensors is not a model shard.
 3. Starts each server in turn (never both: the machine has two cores) with the same vLLM flags (--dtype,
    --max-model-len 1024, --seed 0, --enforce-eager unless --compile) and VLLM_CPU_KVCACHE_SPACE=1; the
-   sparse one is the command `leapctl serve` runs (`leapctl.serve.server_command`). For each client
+   sparse one is the command `leapctl serve` runs (`leapctl.commands.serve.server_command`). For each client
    count, that many client threads each stream --rounds completions (greedy, ignore_eos, prompts of
    --prompt-tokens distinct tokens of held-out Wikipedia text, --max-tokens tokens); reported:
    - decode_tok_s: clients x (tokens - 1) / (last token time - first token time), summed over requests
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 from cpu_kernels import device_name  # noqa: E402
 
-from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command, server_env  # noqa: E402
+from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, server_command, server_env  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

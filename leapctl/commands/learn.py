@@ -1,4 +1,6 @@
-"""`leapctl learn`: LEAP mask learning into a run folder (same layout as `leapctl prune`).
+"""`leapctl learn MODEL --sparsity S --out RUN`: LEAP mask learning into a run folder (same layout as
+`leapctl prune`). From Python: `run(LearnConfig(...))` returns a `LearnResult`; `leapctl.learn.leap_masks`
+learns a mask in memory.
 
 Under `torchrun --nproc-per-node N -m leapctl learn ...` it runs data parallel (DDP; `--fsdp` for FSDP2)."""
 
@@ -6,19 +8,27 @@ import json
 
 import typer
 
-from leapctl.cli import app
 from leapctl.learn.config import LearnConfig
-from leapctl.settings import config_command
+
+NAME = "learn"
+HELP = ("Learn a LEAP mask for MODEL at --sparsity and write the pruned checkpoint, masks, report and plots "
+        "to --out.")
+Config = LearnConfig
 
 
-def _learn(config: LearnConfig) -> None:
+def run(config: LearnConfig):
+    """Load, learn, write the run folder (rank 0); returns a `LearnResult`."""
     from leapctl.learn import learn_masks
 
-    result = learn_masks(config)
+    return learn_masks(config)
+
+
+def main(config: LearnConfig) -> int:
+    result = run(config)
     if result.interrupted_by:
         typer.echo(f"interrupted after step {result.steps_done}: checkpoint in {result.state_dir}; "
                    f"rerun with --resume to continue", err=True)
-        raise typer.Exit(128 + result.interrupted_by)
+        return 128 + result.interrupted_by
     if result.out is not None:
         report = json.loads((result.out / "report.json").read_text())
         peak = report["peak_memory"]
@@ -26,8 +36,4 @@ def _learn(config: LearnConfig) -> None:
         typer.echo(f"wrote {result.out}: sparsity {report['achieved_sparsity']['global']:.4f}, final LM loss "
                    f"{report['final'].get('lm_loss', float('nan')):.4f}, "
                    f"{report['tokens_per_s'] or 0:.0f} tokens/s, peak memory {peak_bytes / 2**20:.0f} MiB")
-
-
-config_command(app, LearnConfig, _learn, name="learn",
-               help="Learn a LEAP mask for MODEL at --sparsity and write the pruned checkpoint, masks, "
-                    "report and plots to --out.")
+    return 0

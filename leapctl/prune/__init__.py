@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from leapctl.errors import LeapctlError
-from leapctl.masks import MaskSet
+from leapctl.masks import MaskSet, check_sparsity
 from leapctl.prune.magnitude import magnitude_masks
 from leapctl.prune.sparsegpt import sparsegpt_masks
 from leapctl.prune.wanda import wanda_masks
@@ -65,11 +65,6 @@ def check_method(method: str) -> None:
     if method not in ONE_SHOT:
         hint = " (LEAP is `leapctl learn`)" if method == "leap" else ""
         raise LeapctlError(f"unknown pruning method {method!r} (choose from {', '.join(ONE_SHOT)}){hint}")
-
-
-def check_sparsity(sparsity: float) -> None:
-    if not 0.0 < sparsity < 1.0:
-        raise LeapctlError(f"sparsity must lie strictly between 0 and 1, got {sparsity}")
 
 
 def prune_model(model: nn.Module, method: str, sparsity: float, calib_ids: torch.Tensor | None = None,

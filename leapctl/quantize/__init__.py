@@ -8,7 +8,6 @@ place: its weights become the dequantized values (exact in fp32), so a quantized
 ordinary checkpoint that eval, transformers and stock vLLM read, and `export --format bitmap-q4` turns
 it into codes and scales bit for bit. `leapctl.commands.quantize` is `leapctl quantize`."""
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -51,41 +50,19 @@ def rtn_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids=N
     return scales
 
 
-class _Unchanged:
-    """A linear outside the mask set: calibrated with the others, quantized never."""
-
-    def __init__(self, linear: nn.Linear):
-        self.linear = linear
-
-    def add_batch(self, inputs: torch.Tensor) -> None:
-        pass
-
-    def prune(self, sparsity: float) -> torch.Tensor:
-        return torch.ones(self.linear.weight.shape, dtype=torch.bool)
-
-
 def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids: torch.Tensor | None = None,
                 device: str | torch.device | None = None, batch_size: int = 8,
                 progress: bool = True) -> dict[str, torch.Tensor]:
-    """GPTQ with the masks fixed, block by block (`prune.sequential`), each block calibrated on what the
-    already-quantized blocks produce."""
-    from leapctl.prune.sequential import prune_sequentially
+    """GPTQ with the masks fixed, block by block (`prune.sequential.update_under_masks`), each block
+    calibrated on what the already-quantized blocks produce."""
+    from leapctl.prune.sequential import update_under_masks
 
     if calib_ids is None:
         raise LeapctlError("gptq needs calibration data")
-    names = {id(_linear(model, name)): name for name in mask_set.masks}
     scales: dict[str, torch.Tensor] = {}
-
-    def make(linear: nn.Linear):
-        name = names.get(id(linear))
-        if name is None:
-            return _Unchanged(linear)
-        mask = mask_set.masks[name].to(linear.weight.device)
-        return GPTQQuantizer(linear, mask, group_size, scales, name)
-
-    include = "|".join(re.escape(name.removesuffix(".weight")) + "$" for name in mask_set.masks)
-    prune_sequentially(model, calib_ids, make, mask_set.sparsity()["global"], "gptq 4-bit", include=include,
-                       device=device, batch_size=batch_size, progress=progress)
+    update_under_masks(model, calib_ids, mask_set,
+                       lambda linear, mask, name: GPTQQuantizer(linear, mask, group_size, scales, name),
+                       "gptq 4-bit", device=device, batch_size=batch_size, progress=progress)
     return scales
 
 

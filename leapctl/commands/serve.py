@@ -274,9 +274,9 @@ def _stop_group(process: subprocess.Popen, sig: int, grace_s: float) -> None:
     process.wait()
 
 
-def _launch(export_dir: Path, host: str, port: int, api_key: str | None, tensor_parallel_size: int,
-            extra_args: Sequence[str], stdout=None) -> tuple[subprocess.Popen, str]:
-    """Check the export, start the server in its own process group; (process, local base URL)."""
+def _checked_command(export_dir: Path, host: str, port: int, api_key: str | None, tensor_parallel_size: int,
+                     extra_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Check the export, the device and the port; (server command line, its environment)."""
     export_dir = Path(export_dir)
     config = check_export(export_dir)
     if importlib.util.find_spec("vllm") is None:
@@ -289,11 +289,19 @@ def _launch(export_dir: Path, host: str, port: int, api_key: str | None, tensor_
         print(f"warning: serving on {host} without an API key: anyone who can reach this address can use "
               f"the model (set LEAPCTL_API_KEY)", file=sys.stderr)
     check_port_free(host, port)
-    command = server_command(export_dir, host, port, tensor_parallel_size, extra_args)
-    process = subprocess.Popen(command, env=server_env(tensor_parallel_size, api_key), start_new_session=True,
-                               stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)
+    return (server_command(export_dir, host, port, tensor_parallel_size, extra_args),
+            server_env(tensor_parallel_size, api_key))
+
+
+def _start(command: list[str], env: dict[str, str], stdout=None, cwd: Path | None = None) -> subprocess.Popen:
+    """The server in its own process group (so that its engine and workers stop together)."""
+    return subprocess.Popen(command, env=env, start_new_session=True, cwd=cwd, stdout=stdout,
+                            stderr=subprocess.STDOUT if stdout is not None else None)
+
+
+def _local_base(host: str, port: int) -> str:
     local_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return process, f"http://{local_host}:{port}"
+    return f"http://{local_host}:{port}"
 
 
 def _not_ready(process: subprocess.Popen, ready_timeout_s: float, grace_s: float) -> LeapctlError:
@@ -312,14 +320,28 @@ def running_server(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, 
                    ready_timeout_s: float = 900, grace_s: float = 30) -> Iterator[str]:
     """For Python callers (the demo, notebooks): yield the OpenAI base URL (`.../v1`) once the server is
     ready; on exit stop its whole process group. Its log goes to `log_file` (default: inherited)."""
-    process, base = _launch(export_dir, host, port, api_key, tensor_parallel_size, extra_args, log_file)
+    command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
+    with running_command(command, port, env, host=host, log_file=log_file, ready_timeout_s=ready_timeout_s,
+                         grace_s=grace_s):
+        yield f"{_local_base(host, port)}/v1"
+
+
+@contextmanager
+def running_command(command: list[str], port: int, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                    log_file: IO | None = None, cwd: Path | None = None, ready_timeout_s: float = 900,
+                    grace_s: float = 30) -> Iterator[subprocess.Popen]:
+    """Any vLLM API server command line (`server_command`'s, or stock vLLM's for bench) as `leapctl serve`
+    runs it: in its own process group, ready once our own child listens on `port` and answers /health;
+    yields the process; on exit stops the whole group. `env` defaults to `server_env(1)`."""
+    process = _start(command, env if env is not None else server_env(1), log_file, cwd)
+    base = _local_base(host, port)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while not _ready(process, base, port):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise _not_ready(process, ready_timeout_s, grace_s)
             time.sleep(0.5)
-        yield f"{base}/v1"
+        yield process
     finally:
         if process.returncode is None:
             _stop_group(process, signal.SIGTERM, grace_s)
@@ -331,7 +353,8 @@ def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     """Run the server until it exits or SIGINT/SIGTERM/SIGHUP arrives; returns its exit status (0 when stopped
     by a signal and shut down cleanly). Raises LeapctlError for a bad export or a server that dies
     before it is ready."""
-    process, base = _launch(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
+    command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
+    process, base = _start(command, env), _local_base(host, port)
     stop_signal: list[int] = []
 
     def forward(sig: int, _frame) -> None:

@@ -180,7 +180,7 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
     with StopFlag(state_dir is not None) as stop, _single_sequences(), \
             MetricsLog(state_dir, processes.master, start_step, config.progress, config.steps) as metrics:
         for step in range(start_step, config.steps):
-            record, stop.signal = _train_step(loop, step, stop.signal)
+            record = _train_step(loop, step, stop)
             metrics.log(record)
             done = step + 1
             every = config.checkpoint_every
@@ -201,9 +201,10 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
     return learned
 
 
-def _train_step(loop: _Loop, step: int, stop_signal: int) -> tuple[dict, int]:
+def _train_step(loop: _Loop, step: int, stop: StopFlag) -> dict:
     """One optimizer step over `batch_size` windows (this process's micro-batches, gradients accumulated);
-    returns the step's record and the stop signal agreed by all processes (the step's one host sync)."""
+    returns the step's record. `stop.signal` becomes the one all processes agree on, read back with the
+    loss terms (the step's one host sync)."""
     config, device = loop.config, loop.device
     step_start = time.perf_counter()
     alpha, tau = mask_temperature(step, config.steps, (config.alpha_start, config.alpha_end),
@@ -223,7 +224,7 @@ def _train_step(loop: _Loop, step: int, stop_signal: int) -> tuple[dict, int]:
     loop.optimizer.zero_grad(set_to_none=True)
     loop.stream.advance(config.batch_size)
 
-    flag = torch.tensor([stop_signal], dtype=torch.float64, device=device)
+    flag = torch.tensor([stop.signal], dtype=torch.float64, device=device)
     if loop.processes.distributed:
         dist.all_reduce(sums)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -232,7 +233,8 @@ def _train_step(loop: _Loop, step: int, stop_signal: int) -> tuple[dict, int]:
     record = {"step": step, **dict(zip(SUMMED, host, strict=False)), "grad_norm": host[-2],
               "alpha": alpha, "tau": tau, "lr": loop.scheduler.get_last_lr()[0],
               "tokens_per_s": config.batch_size * config.seq_len / elapsed, "step_s": elapsed}
-    return record, int(host[-1])
+    stop.signal = int(host[-1])
+    return record
 
 
 def _micro_batch(loop: _Loop, ids: torch.Tensor, step: int, micro_batch: int, decay: float,

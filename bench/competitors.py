@@ -177,9 +177,14 @@ def make_llama_1b_shape(out: Path, tokenizer_dir: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     source = json.loads((tokenizer_dir / "config.json").read_text())
-    config = LlamaConfig(vocab_size=source["vocab_size"], hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    from shapes import MODEL_SHAPES
+
+    shape = MODEL_SHAPES["Llama-3.2-1B"]
+    config = LlamaConfig(vocab_size=source["vocab_size"], hidden_size=shape.hidden,
+                         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         head_dim=shape.head_dim, rope_theta=shape.rope_theta, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5,
                          tie_word_embeddings=True, initializer_range=0.02,
                          bos_token_id=source.get("bos_token_id"), eos_token_id=source.get("eos_token_id"))
     _say(f"making a random 1B-shaped llama (vocab {config.vocab_size}) into {out}")

@@ -40,23 +40,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shapes import merged_shapes  # noqa: E402
+
 from serving import cpu_kernel  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
 
-MODELS = {  # name -> (hidden, intermediate, heads, kv heads, head size)
-    "SmolLM2-135M": (576, 1536, 9, 3, 64),
-    "Qwen2.5-0.5B": (896, 4864, 14, 2, 64),
-    "Llama-3-8B": (4096, 14336, 32, 8, 128),
-}
+MODELS = ("SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3-8B")  # shapes from bench/shapes.py
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 READ_BYTES = 512 * 2**20
 
 
-def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """[n, k] = [out_features, in_features] of each decoder linear as vLLM merges them."""
-    hidden, intermediate, heads, kv_heads, head = MODELS[model]
-    return {"qkv": ((heads + 2 * kv_heads) * head, hidden), "o": (hidden, heads * head),
-            "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
+layer_shapes = merged_shapes
 
 
 def device_name() -> str:

@@ -21,40 +21,23 @@ import datetime
 import json
 import re
 import sys
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from gpu_timing import fail, median_graph_ms, require_cuda_and_triton
+from shapes import MODEL_SHAPES, ModelShape, merged_shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-@dataclass(frozen=True)
-class Config:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int = 128256
-    rope_theta: float = 500000.0
-
-
-CONFIGS = {
-    "Llama-3.2-1B": Config(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64),
-    "Llama-3.1-8B": Config(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128),
-}
+Config = ModelShape
+CONFIGS = {model: MODEL_SHAPES[model] for model in ("Llama-3.2-1B", "Llama-3.1-8B")}
 CONTEXT = 1024  # static KV cache length; decoding starts at position CONTEXT // 2 of random "prompt" K/V
 
 
-def projection_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
-    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    return {"qkv": (qkv, cfg.hidden), "o": (cfg.hidden, cfg.heads * cfg.head_dim),
-            "gate_up": (2 * cfg.intermediate, cfg.hidden), "down": (cfg.hidden, cfg.intermediate)}
+projection_shapes = merged_shapes
 
 
 def random_projections(cfg: Config, sparsity: float, dtype: torch.dtype):

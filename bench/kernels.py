@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 from gpu_timing import fail, median_graph_ms, require_cuda_and_triton
+from shapes import linear_shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from leapctl.compute import dtype_from_name  # noqa: E402  (the repository root is on the path now)
 
-SHAPES = {  # [n, k] = [out_features, in_features]
-    "Llama-3.1-8B": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
-    "Llama-3.2-1B": [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)],
-}
+SHAPES = {model: linear_shapes(model) for model in ("Llama-3.1-8B", "Llama-3.2-1B")}  # [n, k] = [out, in]
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 PREFILL_TOKENS = [256, 1024, 4096]  # at 50% only: where the dispatcher's dense fallback takes over
 SPARSITIES = [0.5, 0.6, 0.7]

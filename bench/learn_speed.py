@@ -23,11 +23,14 @@ import time
 from pathlib import Path
 
 import torch
+from shapes import MODEL_SHAPES
 
+_QWEN = MODEL_SHAPES["Qwen2.5-0.5B"]
 SHAPES = {
-    # Qwen2.5-0.5B: hidden 896, MLP 4864, 24 blocks, 14 heads, 2 KV heads, vocab 151936
-    "full": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936),
+    # Qwen2.5-0.5B: hidden 896, MLP 4864, 24 blocks, 14 heads, 2 KV heads, vocab 151936 (bench/shapes.py)
+    "full": dict(hidden_size=_QWEN.hidden, intermediate_size=_QWEN.intermediate,
+                 num_hidden_layers=_QWEN.layers, num_attention_heads=_QWEN.heads,
+                 num_key_value_heads=_QWEN.kv_heads, vocab_size=_QWEN.vocab),
     # the same proportions at a quarter of the width and a sixth of the depth, with a 16k vocabulary
     "small": dict(hidden_size=224, intermediate_size=1216, num_hidden_layers=4, num_attention_heads=7,
                   num_key_value_heads=1, vocab_size=16384),

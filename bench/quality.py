@@ -12,7 +12,8 @@ smollm2-135m: calibration `wiki-summaries`, 128 x 512 tokens; evaluation on the 
 Nothing is learned on evaluated text: LEAP trains on the calibration source (wiki-summaries without its
 held-apart slice; for stories260k, text sampled from the model itself).
 
-Every method comes from the registry `leapctl.prune.METHODS` and runs in memory on a fresh copy of the dense
+Every method comes from METHODS below (the one-shot registry `leapctl.prune.METHODS` plus
+`leapctl.learn.LEAP`) and runs in memory on a fresh copy of the dense
 model: the one-shot methods on the calibration batch (drawn once per model, shared), LEAP (`leap_masks`) on
 the calibration source's token stream, starting from the Wanda row's masks when Wanda ran first at that
 sparsity (the masks it would compute itself: same windows, same seed). Its wall time is recorded.
@@ -37,10 +38,14 @@ import torch
 
 from leapctl.data import calibration_batch
 from leapctl.eval.perplexity import perplexity, read_wikitext
+from leapctl.learn import LEAP
 from leapctl.masks import MaskSet
 from leapctl.models import load_model
 from leapctl.paths import assets_dir
-from leapctl.prune import METHODS
+from leapctl.prune import METHODS as ONE_SHOT_METHODS
+
+# Every method bench compares: the one-shot registry, then LEAP (offered by leapctl.learn).
+METHODS = {**ONE_SHOT_METHODS, "leap": LEAP}
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

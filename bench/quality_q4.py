@@ -64,7 +64,7 @@ def dense_run(model: str, exclude: str | None, out: Path) -> None:
              {"command": "bench", "method": "dense"})
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="../shared/assets/stories260K/hf")
@@ -84,7 +84,11 @@ def main() -> None:
     parser.add_argument("--no-learn-bits", action="store_true",
                         help="leave out `learn --bits 4` (a second LEAP run; on stories260K it lost to "
                              "LEAP + GPTQ)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     work = args.work / f"{args.name}-{args.sparsity}"
     work.mkdir(parents=True, exist_ok=True)
     ppl = [text_file(p, work) for p in args.ppl or ["../shared/assets/tinystories/valid_excerpt.txt"]]
@@ -130,8 +134,12 @@ def main() -> None:
     window = ["--seq-len", str(args.eval_seq_len)] if args.eval_seq_len else []
     leapctl("eval", args.model, *[str(p) for p in runs.values()], *sum((["--ppl", p] for p in ppl), []),
             *window, "--json", str(out))
-    results = json.loads(out.read_text())
-    names = ["dense", *runs]  # eval's first column is the model itself
+    write_results(args, json.loads(out.read_text()), ["dense", *runs], timings)
+
+
+def write_results(args: argparse.Namespace, results: dict, names: list[str],
+                  timings: dict[str, float]) -> None:
+    """bench/results/quality_q4_NAME.{md,json}: one row per variant (`names`: eval's columns)."""
     texts = results["settings"]["ppl"]
     table = ["| variant | " + " | ".join(f"ppl {name}" for name in texts) + " | seconds |",
              "| --- | " + " | ".join("---" for _ in texts) + " | --- |"]

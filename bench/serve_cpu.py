@@ -12,7 +12,8 @@
    masks.safetensors is not a model shard.
 3. Starts each server in turn (never both: the machine has two cores) with the same vLLM flags (--dtype,
    --max-model-len 1024, --seed 0, --enforce-eager unless --compile) and VLLM_CPU_KVCACHE_SPACE=1; the
-   sparse one is the command `leapctl serve` runs (`leapctl.serve.server_command`). For each client
+   sparse one is the command `leapctl serve` runs (`leapctl.commands.serve.server_command`), and both are
+   started, checked ready and stopped by serve's own launcher (`running_command`). For each client
    count, that many client threads each stream --rounds completions (greedy, ignore_eos, prompts of
    --prompt-tokens distinct tokens of held-out Wikipedia text, --max-tokens tokens); reported:
    - decode_tok_s: clients x (tokens - 1) / (last token time - first token time), summed over requests
@@ -34,7 +35,6 @@ Writes OUT.json and OUT.md with the settings, the load average before and after,
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +42,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 from cpu_kernels import device_name  # noqa: E402
 
-from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command, server_env  # noqa: E402
+from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, running_command, server_command  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,16 +95,29 @@ def post(url: str, body: dict, timeout: float = 600):
 
 
 class Server:
-    """A vLLM API server in its own process group, its log in a file, its memory sampled while it runs."""
+    """A vLLM API server started, checked ready and stopped by `leapctl serve`'s own launcher
+    (`running_command`: its own process group), its log in a file, its memory sampled while it runs."""
 
-    def __init__(self, command: list[str], log: Path, port: int, health: str = "/health") -> None:
-        self.base, self.port, self.health = f"http://127.0.0.1:{port}", port, health
-        self._log = open(log, "w")
-        self.process = subprocess.Popen(command, cwd=REPO, env=server_env(1), stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+    def __init__(self, command: list[str], log: Path, port: int) -> None:
+        self.base, self.port, self.command, self.log = f"http://127.0.0.1:{port}", port, command, log
+        self.process = None
         self.peak_rss = self.peak_pss = 0
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    @contextmanager
+    def running(self, ready_timeout_s: float = 1800):
+        """Start the server and yield once it is ready; stop its whole process group on exit."""
+        with open(self.log, "w") as log:
+            launch = running_command(self.command, self.port, log_file=log, cwd=REPO,
+                                     ready_timeout_s=ready_timeout_s)
+            with launch as process:
+                self.process = process
+                self._sampler.start()
+                try:
+                    yield self
+                finally:
+                    self._stop.set()
 
     def group(self) -> list[psutil.Process]:
         found = []
@@ -125,35 +139,6 @@ class Server:
                     continue
                 rss, pss = rss + info.rss, pss + info.pss
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-
-    def wait_ready(self, timeout_s: float = 1800) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}; see {self._log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.base}{self.health}", timeout=2) as response:
-                    if response.status == 200:
-                        self._sampler.start()
-                        return time.monotonic() - start
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server not ready after {timeout_s} s; see {self._log.name}")
-
-    def stop(self) -> None:
-        self._stop.set()
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self._log.close()
 
 
 def prompts(tokenizer_dir: Path, count: int, length: int) -> list[list[int]]:
@@ -289,8 +274,9 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
     log = args.work / f"{name}.log"
     print(f"starting {name}: {' '.join(command)} (log {log})", flush=True)
     server = Server(command, log, port)
-    try:
-        start_s = server.wait_ready()
+    started = time.monotonic()
+    with server.running():
+        start_s = time.monotonic() - started
         stream(server, name, texts[0], 4)  # warm-up
         phases = []
         for clients in args.clients:
@@ -307,8 +293,6 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
                 "peak_rss_mib": round(server.peak_rss / 2**20),
                 "peak_pss_mib": round(server.peak_pss / 2**20),
                 "layer_memory_line": layer_line, "profile": profile}
-    finally:
-        server.stop()
 
 
 def markdown(result: dict) -> str:

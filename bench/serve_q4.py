@@ -42,7 +42,7 @@ from cpu_kernels import device_name  # noqa: E402
 from serve_cpu import Server, free_port, leapctl, post, prompts  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from leapctl.serve import PLAIN_CHAT_TEMPLATE, server_command  # noqa: E402
+from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, server_command  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,14 +1,20 @@
 """The `leapctl` command line: a thin layer over the library functions.
 
-Each command lives in `leapctl/commands/<name>.py` and registers itself on `app`. Errors the user
-can fix (`LeapctlError`) become one line on stderr and exit status 2, never a traceback."""
+Each command lives in `leapctl/commands/<name>.py` (see `leapctl.commands`); `COMMANDS` below is the one
+list of them, registered on `app` here. Errors the user can fix (`LeapctlError`) become one line on
+stderr and exit status 2, never a traceback."""
 
 import os
 import sys
 
 import typer
 
+from leapctl.commands import apply_mask, eval, export, learn, prune, quantize, serve, validate
 from leapctl.errors import LeapctlError
+from leapctl.settings import config_command
+
+# In the order `leapctl --help` lists them: the main path first.
+COMMANDS = (prune, learn, apply_mask, quantize, eval, export, validate, serve)
 
 app = typer.Typer(
     name="leapctl",
@@ -35,6 +41,15 @@ def _root(
     """Options that apply before any command."""
 
 
+def _register(command) -> None:
+    config_command(app, command.Config, command.main, name=command.NAME, help=command.HELP,
+                   **getattr(command, "CLI", {}))
+
+
+for _command in COMMANDS:
+    _register(_command)
+
+
 def fail(message: str) -> None:
     """Print one error line and exit 2; for callers outside the normal command flow."""
     print(f"error: {message}", file=sys.stderr)
@@ -53,7 +68,6 @@ def _quiet_libraries() -> None:
 
 def main() -> None:
     _quiet_libraries()
-    import leapctl.commands  # noqa: F401  (registers the commands on `app`)
 
     # Standalone mode: typer reports its own usage errors (exit 2) and interrupts; a LeapctlError is not
     # a click exception, so it passes through to here and becomes one line.

@@ -275,8 +275,6 @@ def corpus_ids(source: str, tokenizer, model=None, seed: int = 0, min_tokens: in
 
 
 def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from leapctl.progress import progress_bar
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    return progress_bar(eta=True, transient=True)

@@ -52,7 +52,7 @@ def serve_and_chat(export_dir: Path, question: str) -> None:
     send one chat request with the openai client, shut the server down."""
     from openai import OpenAI
 
-    from leapctl.serve import running_server, served_model_name
+    from leapctl.commands.serve import running_server, served_model_name
 
     port = free_port()
     vllm_args = ["--enforce-eager", "--max-model-len", "2048"]

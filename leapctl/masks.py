@@ -103,3 +103,9 @@ def apply_masks(model: torch.nn.Module, mask_set: MaskSet) -> None:
             raise LeapctlError(f"mask for {name} has shape {tuple(mask.shape)}, "
                                f"weight has {tuple(weight.shape)}")
         weight.copy_(masked_weight(weight, mask))
+
+
+def check_sparsity(sparsity: float) -> None:
+    """The one check of a target sparsity (prune, learn, Python callers): strictly between 0 and 1."""
+    if not 0.0 < sparsity < 1.0:
+        raise LeapctlError(f"--sparsity must be in (0, 1), got {sparsity}")

@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 from leapctl import __version__
 from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet, apply_masks, load_masks, save_masks
-from leapctl.outdir import atomic_output_dir, check_output_dir
 
 LEAPCTL_DIR = "leapctl"
 MASKS_FILE = f"{LEAPCTL_DIR}/masks.safetensors"
@@ -118,49 +117,3 @@ def run_report(mask_set: MaskSet, report: dict) -> dict:
                  "python": platform.python_version()},
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def prune_run(config) -> dict:
-    """`leapctl prune`: load the model, calibrate, prune one-shot and write the run folder atomically;
-    returns the report. `config` is a `leapctl.prune.config.PruneConfig`."""
-    from leapctl.compute import dtype_from_name
-    from leapctl.data import calibration_batch
-    from leapctl.models import load_model
-    from leapctl.prune import CALIBRATED, prune_model
-
-    config.validate()
-    inputs = (config.model, config.calib)
-    check_output_dir(Path(config.out), config.overwrite, inputs)  # fail before the slow part
-    model, tokenizer = load_model(config.model, dtype=dtype_from_name(config.dtype))
-    calib_ids, calibration = None, None
-    if config.method in CALIBRATED:
-        calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
-                                      model=model, text_field=config.text_field)
-        calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
-                       "seed": config.seed, "tokens": int(calib_ids.numel())}
-    started = time.perf_counter()
-    mask_set = prune_model(model, config.method, config.sparsity, calib_ids, include=config.include,
-                           exclude=config.exclude, device=config.device, batch_size=config.batch_size,
-                           progress=config.progress)
-    seconds = time.perf_counter() - started
-    report = {"command": "prune", "method": config.method, "target_sparsity": config.sparsity,
-              "calibration": calibration, "include": config.include, "exclude": config.exclude,
-              "device": config.device, "dtype": config.dtype, "prune_seconds": round(seconds, 3)}
-    with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
-        return save_run(tmp, model, tokenizer, mask_set, report)
-
-
-def apply_mask_run(model_spec: str, masks: Path, out: Path, overwrite: bool = False) -> dict:
-    """`leapctl apply-mask`: load MODEL in its checkpoint's own dtype, zero the weights a mask file (or a
-    run folder's masks) prunes and write a run folder atomically; returns the report."""
-    from leapctl.models import checkpoint_dtype, load_model
-
-    check_output_dir(Path(out), overwrite, (model_spec, masks))  # fail before the slow part
-    masks_path = mask_source(masks)
-    mask_set = load_masks(masks_path)
-    model, tokenizer = load_model(model_spec, dtype=checkpoint_dtype(model_spec))
-    report = {"command": "apply-mask", "masks_file": str(masks_path), "masks_model": mask_set.model,
-              "masks_extra": mask_set.extra}
-    with atomic_output_dir(Path(out), overwrite, (model_spec, masks)) as tmp:
-        return save_run(tmp, model, tokenizer, MaskSet(masks=mask_set.masks, model=model_spec,
-                                                       extra=mask_set.extra), report)

@@ -20,15 +20,17 @@ from leapctl.errors import LeapctlError
 CONFIG_OPTION = "config_file"
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | tuple[str, ...] | None = None,
             argument: bool = False, metavar: str | None = None, cli: bool = True, required: bool = False,
-            default_factory: Any = dataclasses.MISSING) -> Any:
+            default_factory: Any = dataclasses.MISSING, envvar: str | None = None,
+            min: int | None = None, max: int | None = None) -> Any:
     """A config field with its command-line help. `flag` overrides the generated spelling
-    (`--name`, or `--name/--no-name` for booleans); `argument` makes it positional; `cli=False` keeps it
-    off the command line (Python callers only); `required` makes the command line (or --config FILE) give
-    a field that Python callers may leave at its default."""
+    (`--name`, or `--name/--no-name` for booleans; a tuple adds short forms such as `-v`); `argument`
+    makes it positional; `cli=False` keeps it off the command line (Python callers only); `required` makes
+    the command line (or --config FILE) give a field that Python callers may leave at its default;
+    `envvar` reads an unset option from the environment; `min`/`max` bound an integer option."""
     metadata = {"help": help, "flag": flag, "argument": argument, "metavar": metavar, "cli": cli,
-                "required": required}
+                "required": required, "envvar": envvar, "min": min, "max": max}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -44,8 +46,9 @@ def _required(field: dataclasses.Field) -> bool:
 
 
 def _flag_names(field: dataclasses.Field, annotation: Any) -> list[str]:
-    if field.metadata.get("flag"):
-        return [field.metadata["flag"]]
+    flag = field.metadata.get("flag")
+    if flag:
+        return [flag] if isinstance(flag, str) else list(flag)
     name = field.name.replace("_", "-")
     if _base_type(annotation) is bool:
         return [f"--{name}/--no-{name}"]
@@ -79,8 +82,11 @@ def _parameters(config_cls: type, with_config_file: bool) -> list[inspect.Parame
                 default = field.default_factory()
             else:
                 default = field.default
+            bounds = {key: field.metadata[key] for key in ("min", "max")
+                      if field.metadata.get(key) is not None}
             info = typer.Option(default, *_flag_names(field, annotation), help=help_text,
-                                metavar=field.metadata.get("metavar"))
+                                metavar=field.metadata.get("metavar"), envvar=field.metadata.get("envvar"),
+                                **bounds)
         params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=info,
                                         annotation=annotation))
     if with_config_file:
@@ -147,13 +153,24 @@ def config_from_cli(config_cls: type, given: dict[str, Any], ctx: typer.Context)
     return config_cls(**values)
 
 
-def config_command(app: typer.Typer, config_cls: type, run: Callable[[Any], None], *, name: str,
-                   help: str, with_config_file: bool = True, **command_kwargs) -> Callable:
+def config_command(app: typer.Typer, config_cls: type, run: Callable[[Any], int | None], *, name: str,
+                   help: str, with_config_file: bool = True, extra_args: str | None = None,
+                   **command_kwargs) -> Callable:
     """Register command `name` on `app` with one option per field of `config_cls`; the command builds
-    the config and calls `run(config)`."""
+    the config and calls `run(config)`, whose non-zero return value becomes the exit status.
+    `extra_args` names a (`cli=False`) field that receives the arguments after `--`."""
 
     def command(ctx: typer.Context, **given: Any) -> None:
-        run(config_from_cli(config_cls, given, ctx))
+        config = config_from_cli(config_cls, given, ctx)
+        if extra_args is not None:
+            setattr(config, extra_args, list(ctx.args))
+        status = run(config)
+        if status:
+            raise typer.Exit(status)
+
+    if extra_args is not None:
+        command_kwargs["context_settings"] = {**command_kwargs.get("context_settings", {}),
+                                              "allow_extra_args": True}
 
     context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
     command.__signature__ = inspect.Signature([context, *_parameters(config_cls, with_config_file)])

@@ -53,7 +53,7 @@ def run_cli(*args: str, capsys=None) -> int:
 
 
 def masked_reference(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weights, masks) of the run, read independently of leapctl.export."""
+    """(weights, masks) of the run, read independently of leapctl.commands.export."""
     weights = load_file(str(run / "model.safetensors"))
     masks = {}
     with safe_open(str(run / MASKS_FILE), framework="pt") as handle:
@@ -221,7 +221,7 @@ def test_bad_input_is_one_line_and_writes_nothing(pruned_run, stories260k_dir, t
 
 @pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime(pruned_run, tmp_path):
-    from leapctl.validate import validate
+    from leapctl.commands.validate import validate
 
     out = tmp_path / "onnx"
     assert run_cli("export", pruned_run, "--format", "onnx", "--out", out) == 0
@@ -234,7 +234,7 @@ def test_onnx_export_runs_in_onnxruntime(pruned_run, tmp_path):
 
 def test_qwen2_untied_with_biases_round_trips(tiny_checkpoint, tmp_path):
     """Qwen2: q/k/v biases stay dense beside the sparse weights, the untied lm_head is written dense."""
-    from leapctl.validate import validate
+    from leapctl.commands.validate import validate
 
     model, tokenizer = load_model(str(tiny_checkpoint("qwen2")))
     run = tmp_path / "run"

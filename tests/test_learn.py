@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from leapctl.commands.learn import run as learn_masks
 from leapctl.errors import LeapctlError
-from leapctl.learn import LearnConfig, learn_masks
+from leapctl.learn import LearnConfig
 from leapctl.learn.loss import regularisers
 from leapctl.learn.mask import (
     SATURATION,

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import leapctl.learn.processes as processes
 import leapctl.learn.train as train
 from leapctl.errors import LeapctlError
 from leapctl.learn import LearnConfig, leap_masks
@@ -102,11 +103,11 @@ def test_the_process_group_has_a_backend_for_each_device_type(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    device = train._start_processes(_config(device="cuda"), world=2)
+    device = processes.start_processes("cuda", world=2)
     assert calls == ["cpu:gloo,cuda:nccl"] and device == torch.device("cuda", 1)
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert train._start_processes(_config(), world=2) == torch.device("cpu") and calls == ["gloo"]
+    assert processes.start_processes(_config().device, world=2) == torch.device("cpu") and calls == ["gloo"]
 
 
 # ---------------------------------------------------------------- 2. optimizer state through load_state_dict

@@ -161,7 +161,7 @@ def extra_kept_weight(tensors, layer):
     (extra_kept_weight, "format", "bitmap/code count mismatch"),
 ], ids=["code", "scale", "popcount"])
 def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, kind, message):
-    from leapctl.validate import validate
+    from leapctl.commands.validate import validate
 
     report = validate(damaged_export(q4_export, tmp_path, edit), end_to_end=False)
     failed = [c for c in report.failures if c.target == "model.layers.1.self_attn.q_proj"]

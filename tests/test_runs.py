@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from leapctl.commands.apply_mask import ApplyMaskConfig
+from leapctl.commands.apply_mask import run as apply_mask
 from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet, load_masks, save_masks
 from leapctl.models import load_model, prunable_linears
-from leapctl.runs import LEGACY_MASKS_FILE, MASKS_FILE, apply_mask_run, mask_source, masks_file, read_run
+from leapctl.runs import LEGACY_MASKS_FILE, MASKS_FILE, mask_source, masks_file, read_run
 
 
 def random_mask(rows: int, cols: int, density: float, seed: int) -> torch.Tensor:
@@ -36,7 +38,7 @@ def test_apply_mask_run(tiny_checkpoint, tiny_masks, tmp_path):
     masks_path, masks = tiny_masks
     source = str(tiny_checkpoint("llama"))
     out = tmp_path / "pruned"
-    report = apply_mask_run(source, masks_path, out)
+    report = apply_mask(ApplyMaskConfig(source, masks_path, out))
     dense, _ = load_model(source)
     pruned, tokenizer = load_model(str(out))
     dense_params, pruned_params = dict(dense.named_parameters()), dict(pruned.named_parameters())
@@ -51,7 +53,7 @@ def test_apply_mask_run(tiny_checkpoint, tiny_masks, tmp_path):
     total = sum(m.numel() for m in masks.values())
     assert report["achieved_sparsity"]["global"] == pytest.approx(zeros / total)
     with pytest.raises(LeapctlError, match="not empty"):
-        apply_mask_run(source, masks_path, out)
+        apply_mask(ApplyMaskConfig(source, masks_path, out))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
 
 
@@ -61,7 +63,7 @@ def test_apply_mask_run_keeps_the_checkpoint_dtype(tiny_checkpoint, tiny_masks, 
     source = tiny_checkpoint("llama")
     AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path / "bf16")
-    apply_mask_run(str(tmp_path / "bf16"), tiny_masks[0], tmp_path / "out")
+    apply_mask(ApplyMaskConfig(str(tmp_path / "bf16"), tiny_masks[0], tmp_path / "out"))
     weights = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
     name = next(iter(tiny_masks[1]))
@@ -72,7 +74,7 @@ def test_mask_for_another_model_leaves_nothing_behind(tiny_checkpoint, tmp_path)
     masks_path = tmp_path / "other.safetensors"
     save_masks(masks_path, MaskSet({"model.layers.9.mlp.up_proj.weight": random_mask(128, 64, 0.5, 0)}))
     with pytest.raises(LeapctlError, match="which the model does not have"):
-        apply_mask_run(str(tiny_checkpoint("llama")), masks_path, tmp_path / "out")
+        apply_mask(ApplyMaskConfig(str(tiny_checkpoint("llama")), masks_path, tmp_path / "out"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.safetensors"]
 
 
@@ -108,7 +110,7 @@ def test_cli_bad_inputs_are_one_line(tiny_checkpoint, tiny_masks, tmp_path):
 def test_run_folder_top_level_holds_only_the_checkpoint_s_weights(tiny_checkpoint, tiny_masks, tmp_path):
     """vLLM loads every *.safetensors at a folder's top when it has no index: no masks may sit there."""
     out = tmp_path / "run"
-    apply_mask_run(str(tiny_checkpoint("llama")), tiny_masks[0], out)
+    apply_mask(ApplyMaskConfig(str(tiny_checkpoint("llama")), tiny_masks[0], out))
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert masks_file(out) == out / MASKS_FILE
     assert mask_source(out) == out / MASKS_FILE  # a run folder stands for its mask file
@@ -117,7 +119,7 @@ def test_run_folder_top_level_holds_only_the_checkpoint_s_weights(tiny_checkpoin
 def test_folders_of_the_older_layout_are_still_read(tiny_checkpoint, tiny_masks, tmp_path):
     masks_path, masks = tiny_masks
     out = tmp_path / "run"
-    apply_mask_run(str(tiny_checkpoint("llama")), masks_path, out)
+    apply_mask(ApplyMaskConfig(str(tiny_checkpoint("llama")), masks_path, out))
     old = tmp_path / "old-run"
     shutil.copytree(out, old)
     (old / MASKS_FILE).rename(old / LEGACY_MASKS_FILE)
@@ -126,7 +128,7 @@ def test_folders_of_the_older_layout_are_still_read(tiny_checkpoint, tiny_masks,
     assert run.masks_file == (old / LEGACY_MASKS_FILE).resolve() and run.report["command"] == "apply-mask"
     assert all(torch.equal(run.masks.masks[n], m) for n, m in masks.items())
     again = tmp_path / "again"
-    apply_mask_run(str(tiny_checkpoint("llama")), old, again)  # the old folder as MASKS
+    apply_mask(ApplyMaskConfig(str(tiny_checkpoint("llama")), old, again))  # the old folder as MASKS
     assert all(torch.equal(load_masks(again / MASKS_FILE).masks[n], m) for n, m in masks.items())
     with pytest.raises(LeapctlError, match="not a run folder"):
         read_run(tiny_checkpoint("llama"))

@@ -28,7 +28,7 @@ from test_serve_cli import (
     transformers_greedy,
 )
 
-from leapctl.serve import running_server
+from leapctl.commands.serve import running_server
 
 pytestmark = pytest.mark.slow
 

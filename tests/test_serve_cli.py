@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leapctl.serve import PLAIN_CHAT_TEMPLATE, READY_PREFIX, server_command, server_env
+from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, READY_PREFIX, server_command, server_env
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 so that greedy answers can be compared token for token; eager to skip torch.compile warm-up.
@@ -59,7 +59,7 @@ def build_checkpoints(source: Path, root: Path, fmt: str, sparsity: float = 0.5)
     checkpoint stock vLLM serves; its `leapctl export` in `fmt`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from leapctl.export import export
+    from leapctl.commands.export import export
     from leapctl.masks import MaskSet
     from leapctl.runs import save_run
 
@@ -364,7 +364,7 @@ def test_serve_refuses_a_port_another_server_holds(servable_export, capsys, monk
 
 def test_ready_means_our_own_child_listens(tmp_path):
     """A /health answer from another program on the port is not our server being ready."""
-    from leapctl.serve import _ready
+    from leapctl.commands.serve import _ready
 
     with OtherServer() as other:
         ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)

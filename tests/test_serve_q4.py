@@ -28,7 +28,7 @@ def q4_checkpoints(tmp_path_factory, stories260k_dir):
     from test_serve_cli import magnitude_masks
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from leapctl.export import export
+    from leapctl.commands.export import export
     from leapctl.masks import MaskSet, apply_masks
     from leapctl.quantize import LM_HEAD, quantization_entry, quantize_lm_head, quantize_model
     from leapctl.runs import save_run

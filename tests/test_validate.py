@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_export import pruned_run, random_masks, run_cli  # noqa: F401  (pruned_run is a fixture)
 
-from leapctl.export import export
-from leapctl.validate import validate
+from leapctl.commands.export import export
+from leapctl.commands.validate import validate
 
 LAYER = "model.layers.1.self_attn.k_proj"
 

@@ -1,12 +1,5 @@
-"""Importing this package registers every command on `leapctl.cli.app`; one module per command."""
-
-from leapctl.commands import (  # noqa: F401
-    apply_mask,
-    eval,
-    export,
-    learn,
-    prune,
-    quantize,
-    serve,
-    validate,
-)
+"""One module per command, each with the same parts: `NAME` and `HELP`; `Config`, its settings dataclass
+(the CLI options and `--config FILE` are generated from it by `leapctl.settings`); `run(config)`, what
+Python users call; and `main(config)`, `run` plus the printed summary, returning the exit status. A
+command module imports no other command module and nothing registers itself on import: `leapctl.cli`
+lists them in `COMMANDS`."""

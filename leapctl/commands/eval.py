@@ -1,22 +1,50 @@
-"""`leapctl eval`: perplexity and zero-shot accuracy of several models side by side."""
+"""`leapctl eval MODEL...`: perplexity and zero-shot accuracy of several models side by side. From Python:
+`run(EvalConfig(...))` returns the results; `leapctl.eval` has the measurements themselves."""
 
+import json
+import os
 from pathlib import Path
 
-from leapctl.cli import app
 from leapctl.eval.config import EvalConfig
-from leapctl.settings import config_command
+
+NAME = "eval"
+HELP = ("Perplexity (non-overlapping windows, as the pruning papers measure WikiText-2) and zero-shot "
+        "accuracy (lm-eval acc / acc_norm) of each MODEL, printed as a table, optionally saved as JSON.")
+Config = EvalConfig
 
 
-def _eval(config: EvalConfig) -> None:
-    from leapctl.eval import run_eval
+def run(config: EvalConfig) -> dict:
+    """Check the settings, load the texts, evaluate every model, write `--json` atomically;
+    returns the results."""
+    from leapctl.compute import dtype_from_name, resolve_device
+    from leapctl.errors import LeapctlError
+    from leapctl.eval import WIKITEXT2, evaluate_models, load_ppl_text, parse_tasks
 
-    _print_table(run_eval(config))
+    dtype = dtype_from_name(config.dtype)
+    device = resolve_device(config.device)
+    task_names = parse_tasks(config.tasks)
+    texts = [load_ppl_text(spec) for spec in (config.ppl or ([] if task_names else [WIKITEXT2]))]
+    if config.json_out is not None and config.json_out.is_dir():
+        raise LeapctlError(f"--json {config.json_out} is a folder")
+    results = evaluate_models(config.models, texts, task_names, seq_len=config.seq_len, limit=config.limit,
+                              tasks_dir=config.tasks_dir, device=str(device), dtype=dtype,
+                              batch_size=config.batch_size, progress=config.progress)
+    if config.json_out is not None:
+        _write_json_atomically(config.json_out, results)
+    return results
 
 
-config_command(app, EvalConfig, _eval, name="eval",
-               help="Perplexity (non-overlapping windows, as the pruning papers measure WikiText-2) and "
-                    "zero-shot accuracy (lm-eval acc / acc_norm) of each MODEL, printed as a table, "
-                    "optionally saved as JSON.")
+def _write_json_atomically(path: Path, results: dict) -> None:
+    """Write beside the target and rename, so an interrupted run leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(partial, path)
+
+
+def main(config: EvalConfig) -> int:
+    _print_table(run(config))
+    return 0
 
 
 def _label(spec: str) -> str:

@@ -1,24 +1,86 @@
-"""`leapctl learn`: LEAP mask learning into a run folder (same layout as `leapctl prune`).
+"""`leapctl learn MODEL --sparsity S --out RUN`: LEAP mask learning into a run folder (same layout as
+`leapctl prune`). From Python: `run(LearnConfig(...))` returns a `LearnResult`; `leapctl.learn.leap_masks`
+learns a mask in memory.
 
-Under `torchrun --nproc-per-node N -m leapctl learn ...` it runs data parallel (DDP; `--fsdp` for FSDP2)."""
+Under `torchrun --nproc-per-node N -m leapctl learn ...` it runs data parallel (DDP; `--fsdp` for FSDP2):
+every process loads the model and trains; rank 0 tokenises the corpus once into the state folder, computes
+the initial mask and writes the run folder."""
 
+import contextlib
 import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
-from leapctl.cli import app
 from leapctl.learn.config import LearnConfig
-from leapctl.settings import config_command
+
+NAME = "learn"
+HELP = ("Learn a LEAP mask for MODEL at --sparsity and write the pruned checkpoint, masks, report and plots "
+        "to --out.")
+Config = LearnConfig
 
 
-def _learn(config: LearnConfig) -> None:
-    from leapctl.learn import learn_masks
+@dataclass
+class LearnResult:
+    out: Path | None  # the finished run folder; None when interrupted
+    steps_done: int
+    interrupted_by: int = 0  # the signal number that stopped the run early, 0 when it finished
+    state_dir: Path | None = None
 
-    result = learn_masks(config)
+
+def run(config: LearnConfig) -> LearnResult:
+    """Learn a LEAP mask as `config` says; writes the run folder (rank 0) and returns where."""
+    import torch.distributed as dist
+    from transformers.utils import logging as transformers_logging
+
+    from leapctl.errors import LeapctlError
+    from leapctl.learn.processes import shutdown, start_processes
+    from leapctl.learn.start import quantize_frozen
+    from leapctl.learn.train import LearnInterrupted, autocast_on, train
+    from leapctl.models import load_model
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = config.checked(world)  # resolved and validated once, here
+    if config.out is None:
+        raise LeapctlError("learn needs --out")
+    device = start_processes(config.device, world)
+    distributed = world > 1
+    master = not distributed or dist.get_rank() == 0
+    fingerprint = config.fingerprint(autocast_on(config, device))
+    _refuse_bad_starts(config, fingerprint)
+
+    transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
+    model, tokenizer = load_model(config.model, device=device)
+    scales = quantize_frozen(model, config)
+    corpus, init = _token_stream_and_initial_mask(config, model, tokenizer, master, distributed, device)
+    try:
+        learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint)
+    except LearnInterrupted as stop:
+        shutdown(distributed)
+        return LearnResult(out=None, steps_done=stop.steps_done, interrupted_by=stop.signal_number,
+                           state_dir=config.state_dir())
+    if master:
+        if distributed and config.fsdp:  # the trained model is sharded: rank 0 prunes a fresh copy
+            from leapctl.learn.train import finish_weights
+
+            model, _ = load_model(config.model, device=device)
+            quantize_frozen(model, config)
+            finish_weights(model, learned, corpus, config)
+        _write_run(config, model.to("cpu").eval(), tokenizer, learned, scales)
+        _clear_state_after_success(config)
+    shutdown(distributed)
+    return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=config.state_dir())
+
+
+def main(config: LearnConfig) -> int:
+    result = run(config)
     if result.interrupted_by:
         typer.echo(f"interrupted after step {result.steps_done}: checkpoint in {result.state_dir}; "
                    f"rerun with --resume to continue", err=True)
-        raise typer.Exit(128 + result.interrupted_by)
+        return 128 + result.interrupted_by
     if result.out is not None:
         report = json.loads((result.out / "report.json").read_text())
         peak = report["peak_memory"]
@@ -26,8 +88,100 @@ def _learn(config: LearnConfig) -> None:
         typer.echo(f"wrote {result.out}: sparsity {report['achieved_sparsity']['global']:.4f}, final LM loss "
                    f"{report['final'].get('lm_loss', float('nan')):.4f}, "
                    f"{report['tokens_per_s'] or 0:.0f} tokens/s, peak memory {peak_bytes / 2**20:.0f} MiB")
+    return 0
 
 
-config_command(app, LearnConfig, _learn, name="learn",
-               help="Learn a LEAP mask for MODEL at --sparsity and write the pruned checkpoint, masks, "
-                    "report and plots to --out.")
+def _inputs(config: LearnConfig) -> tuple:
+    return (config.model, config.calib, config.init_masks)
+
+
+def _refuse_bad_starts(config: LearnConfig, fingerprint: dict) -> None:
+    """Output folder, state folder and checkpoint checked before any work."""
+    from leapctl.errors import LeapctlError
+    from leapctl.learn.checkpoint import has_checkpoint, read_checkpoint
+    from leapctl.learn.state import check_state_dir
+    from leapctl.outdir import check_output_dir
+
+    state_dir = config.state_dir()
+    check_output_dir(Path(config.out), config.overwrite, _inputs(config))
+    check_state_dir(state_dir, Path(config.out), _inputs(config))
+    if config.resume:
+        read_checkpoint(state_dir, fingerprint)
+    elif has_checkpoint(state_dir) and not config.overwrite:
+        raise LeapctlError(f"an unfinished run's checkpoint exists in {state_dir}: pass --resume to continue "
+                           f"it or --overwrite to start over")
+
+
+def _token_stream_and_initial_mask(config: LearnConfig, model, tokenizer, master: bool, distributed: bool,
+                                   device):
+    """(memory-mapped token stream, initial mask or None). Rank 0 tokenises the corpus into the state
+    folder and computes the Wanda mask; the others read both from there."""
+    from leapctl.data import calibration_batch
+    from leapctl.learn.processes import barrier
+    from leapctl.learn.start import training_corpus, wanda_init
+    from leapctl.learn.state import INIT_MASKS_FILE, clear_state
+    from leapctl.learn.stream import open_token_file, write_token_file
+    from leapctl.masks import load_masks, save_masks
+
+    state_dir = config.state_dir()
+    wanda = not config.resume and config.init != "random" and config.init_masks is None
+    init = None
+    if not config.resume and master:
+        # Everything that reads the user's inputs comes first: an old checkpoint (--overwrite) is given up
+        # only once the new run has its token stream and initial mask in hand.
+        ids = training_corpus(config, model, tokenizer)
+        if wanda:  # on `nsamples` windows of the calibration source, as `leapctl prune --method wanda` does
+            calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+                                      model=model)
+            init = wanda_init(model, calib, config, device)
+        clear_state(state_dir)
+        write_token_file(state_dir, ids)
+        del ids
+        if distributed and init is not None:
+            save_masks(state_dir / INIT_MASKS_FILE, init)
+    barrier(distributed)
+    if wanda and not master:
+        init = load_masks(state_dir / INIT_MASKS_FILE)
+    return open_token_file(state_dir), init
+
+
+def _write_run(config: LearnConfig, model, tokenizer, learned, scales) -> None:
+    """The run folder, atomically: checkpoint, masks (and scales), report, metrics, plots, logits."""
+    from safetensors.torch import save_file
+
+    from leapctl.learn.metrics import METRICS_FILE, read_metrics
+    from leapctl.learn.plots import plot_density_per_block, plot_losses
+    from leapctl.learn.report import density_per_block, learn_report
+    from leapctl.outdir import atomic_output_dir
+    from leapctl.runs import LOGITS_FILE, save_run
+
+    state_dir = config.state_dir()
+    metrics = read_metrics(state_dir)
+    report = learn_report(config, learned.stats, metrics)
+    with atomic_output_dir(Path(config.out), config.overwrite, _inputs(config)) as tmp:
+        block_density = density_per_block(model, learned.masks)
+        report["density_per_block"] = block_density
+        kept_scales = None
+        if scales is not None:
+            from leapctl.quantize import quantization_entry
+
+            kept_scales = {name: scales[name] for name in learned.masks}
+            report["quantization"] = quantization_entry(config.bits, config.group_size, "rtn, then learn")
+        save_run(tmp, model, tokenizer, learned, report, scales=kept_scales)
+        shutil.copy(state_dir / METRICS_FILE, tmp / METRICS_FILE)
+        plot_density_per_block(block_density, config.density, tmp / "density_per_block.png")
+        plot_losses(metrics, tmp / "loss.png")
+        if config.save_logits:
+            save_file(learned.stats["logits"], str(tmp / LOGITS_FILE))
+
+
+def _clear_state_after_success(config: LearnConfig) -> None:
+    from leapctl.learn.state import clear_state
+
+    if config.keep_checkpoint:
+        return
+    state_dir = config.state_dir()
+    clear_state(state_dir)
+    if config.checkpoint_dir is None:  # the default folder is ours; a named one stays
+        with contextlib.suppress(OSError):
+            state_dir.rmdir()  # only when nothing else is in it

@@ -1,22 +1,75 @@
-"""`leapctl quantize`: the kept weights of a run folder on a 4-bit grid, into a new run folder."""
+"""`leapctl quantize RUN --out DIR`: the kept weights of a run folder on a 4-bit grid, into a new run folder.
+From Python: `run(QuantizeConfig(...))` returns the report; `leapctl.quantize.quantize_model` works in
+memory."""
+
+import time
+from pathlib import Path
 
 import typer
 
-from leapctl.cli import app
 from leapctl.quantize.config import QuantizeConfig
-from leapctl.settings import config_command
+
+NAME = "quantize"
+HELP = ("Quantize the kept weights of a pruned RUN to 4 bits (codes and a scale per group) and write a run "
+        "folder of the dequantized model, ready for export --format bitmap-q4.")
+Config = QuantizeConfig
 
 
-def _quantize(config: QuantizeConfig) -> None:
-    from leapctl.quantize import quantize_run
+def run(config: QuantizeConfig) -> dict:
+    """Read a run folder, quantize its kept weights and write a new run folder
+    atomically; returns the report. Every bad setting fails before the model loads."""
+    import torch
 
-    report = quantize_run(config)
+    from leapctl.data import calibration_batch
+    from leapctl.errors import LeapctlError
+    from leapctl.masks import MaskSet
+    from leapctl.models import load_model
+    from leapctl.outdir import atomic_output_dir, check_output_dir
+    from leapctl.quantize import (
+        LM_HEAD,
+        check_group_size,
+        quantization_entry,
+        quantize_lm_head,
+        quantize_model,
+    )
+    from leapctl.runs import read_run, save_run
+
+    config.validate()
+    inputs = (config.run, config.calib)
+    check_output_dir(Path(config.out), config.overwrite, inputs)
+    source = read_run(config.run)
+    if source.scales is not None:
+        raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
+    check_group_size(source.masks, config.group_size)
+    model, tokenizer = load_model(str(source.path), dtype=torch.float32)
+    calib_ids, calibration = None, None
+    if config.method == "gptq":
+        calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+                                      model=model, text_field=config.text_field)
+        calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
+                       "seed": config.seed, "tokens": int(calib_ids.numel())}
+    started = time.perf_counter()
+    options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
+                                                       progress=config.progress)
+    scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
+    if config.lm_head:
+        scales[LM_HEAD] = quantize_lm_head(model, config.group_size)
+    report = {"command": "quantize", "source_run": str(source.path),
+              "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
+              "quantization": quantization_entry(config.bits, config.group_size, config.method,
+                                                 config.lm_head),
+              "calibration": calibration, "device": config.device,
+              "quantize_seconds": round(time.perf_counter() - started, 3)}
+    mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
+                       extra={**source.masks.extra, "quantized": config.method})
+    with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
+        return save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
+
+
+def main(config: QuantizeConfig) -> int:
+    report = run(config)
     q = report["quantization"]
     layers = len(report["achieved_sparsity"]["per_layer"])
     typer.echo(f"{q['method']}: {layers} pruned layers quantized to {q['bits']} bits (group "
                f"{q['group_size']}) in {report['quantize_seconds']:.1f}s -> {config.out}")
-
-
-config_command(app, QuantizeConfig, _quantize, name="quantize",
-               help="Quantize the kept weights of a pruned RUN to 4 bits (codes and a scale per group) and "
-                    "write a run folder of the dequantized model, ready for export --format bitmap-q4.")
+    return 0

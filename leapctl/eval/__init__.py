@@ -1,12 +1,10 @@
 """Evaluation: perplexity the way the pruning papers measure it, and zero-shot accuracy through lm-eval.
 
-`evaluate_models` is what `leapctl eval` runs: several models, one at a time in memory, on the same
-perplexity texts and zero-shot tasks, as one JSON-ready dict."""
+`evaluate_models` is what `leapctl eval` (`leapctl.commands.eval`) runs: several models, one at a time
+in memory, on the same perplexity texts and zero-shot tasks, as one JSON-ready dict."""
 
 import gc
-import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +12,6 @@ from pathlib import Path
 import torch
 
 from leapctl.errors import LeapctlError
-from leapctl.eval.config import EvalConfig
 from leapctl.eval.perplexity import (
     DOCUMENT_SEPARATOR,
     default_seq_len,
@@ -27,7 +24,7 @@ from leapctl.eval.perplexity import (
 )
 from leapctl.eval.zeroshot import TASKS, check_task_files, parse_tasks, zero_shot
 
-__all__ = ["perplexity", "perplexity_documents", "zero_shot", "evaluate_models", "run_eval", "PplText",
+__all__ = ["perplexity", "perplexity_documents", "zero_shot", "evaluate_models", "PplText",
            "load_ppl_text", "TASKS", "parse_tasks", "read_wikitext", "split_documents"]
 
 WIKITEXT2 = "wikitext2"
@@ -125,31 +122,3 @@ def evaluate_models(models: list[str], ppl_texts: list[PplText], tasks: list[str
                      "dtype": str(dtype).removeprefix("torch."), "ppl": [text.name for text in ppl_texts]},
         "models": results,
     }
-
-
-
-def run_eval(config: EvalConfig) -> dict:
-    """`leapctl eval`: check the settings, load the texts, evaluate every model, write `--json` atomically;
-    returns the results."""
-    from leapctl.compute import dtype_from_name, resolve_device
-
-    dtype = dtype_from_name(config.dtype)
-    device = resolve_device(config.device)
-    task_names = parse_tasks(config.tasks)
-    texts = [load_ppl_text(spec) for spec in (config.ppl or ([] if task_names else [WIKITEXT2]))]
-    if config.json_out is not None and config.json_out.is_dir():
-        raise LeapctlError(f"--json {config.json_out} is a folder")
-    results = evaluate_models(config.models, texts, task_names, seq_len=config.seq_len, limit=config.limit,
-                              tasks_dir=config.tasks_dir, device=str(device), dtype=dtype,
-                              batch_size=config.batch_size, progress=config.progress)
-    if config.json_out is not None:
-        _write_json_atomically(config.json_out, results)
-    return results
-
-
-def _write_json_atomically(path: Path, results: dict) -> None:
-    """Write beside the target and rename, so an interrupted run leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(partial, path)

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from leapctl.errors import LeapctlError
+from leapctl.progress import track
 
 MAX_DEFAULT_SEQ_LEN = 4096
 DOCUMENT_SEPARATOR = "<|endoftext|>"
@@ -144,9 +143,5 @@ def _sequence_nll(model: torch.nn.Module, ids: torch.Tensor, device) -> tuple[fl
 
 
 def _progress(items, label: str, enabled: bool) -> Iterator:
-    """Iterate with a transient rich progress bar (on stderr, only when enabled)."""
-    items = list(items)
-    columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True, disable=not enabled,
-                  console=Console(stderr=True)) as bar:
-        yield from bar.track(items, total=len(items))
+    """Iterate with a transient progress bar (on stderr, only when enabled)."""
+    return track(items, label, enabled)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from leapctl.compute import DEVICE_HELP
 from leapctl.errors import LeapctlError
+from leapctl.masks import check_sparsity
 from leapctl.settings import setting
 
 INIT_MODES = ("wanda", "wanda-small", "random")
@@ -156,6 +157,12 @@ class LearnConfig:
                 values[name] = auto_lr(max(self.steps, 1)) if value == "auto" else value
         return replace(self, **values)
 
+    def checked(self, world_size: int = 1) -> "LearnConfig":
+        """Resolved (`resolved`) and validated (`validate`): the one call an entry point makes."""
+        config = self.resolved()
+        config.validate(world_size)
+        return config
+
     def fingerprint(self, autocast: bool | None = None) -> dict:
         """The settings a resumed run must share with the checkpoint: every one that changes the windows, the
         noise or the arithmetic, with the preset's values resolved; `autocast` as the device resolved it."""
@@ -167,8 +174,7 @@ class LearnConfig:
 
     def validate(self, world_size: int = 1) -> None:
         """One clear error for settings that cannot work, before any model is loaded."""
-        if not 0.0 < self.sparsity < 1.0:
-            raise LeapctlError(f"--sparsity must be in (0, 1), got {self.sparsity}")
+        check_sparsity(self.sparsity)
         if self.steps < 1:
             raise LeapctlError(f"--steps must be at least 1, got {self.steps}")
         if self.seq_len < 2:

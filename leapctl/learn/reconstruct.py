@@ -8,22 +8,18 @@ the kept weights v_S minimise (w - v)^T H (w - v) with v zero outside S:
 
 This is the optimum SparseGPT's column-by-column OBS update approximates (it never revisits a column), here
 for a mask chosen beforehand (LEAP's). H gets SparseGPT's dampening, 1% of its mean diagonal, and dead
-input channels get H_jj = 1. Layers are refit block by block on the inputs that the already-refit blocks
-produce (`leapctl.prune.sequential`), so later layers also absorb the error of earlier ones."""
-
-import copy
+input channels get H_jj = 1 (`leapctl.prune.hessian`, shared with SparseGPT and GPTQ). `RefitPruner` is a
+layer pruner like SparseGPT's and GPTQ's: `prune.sequential` drives it block by block on the inputs that
+the already-refit blocks produce, so later layers also absorb the error of earlier ones."""
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
-from leapctl.compute import resolve_device
 from leapctl.masks import MaskSet
-from leapctl.models import model_layout
-from leapctl.prune.sequential import _block_output, _device_of, capture_block_inputs
+from leapctl.prune.hessian import PERCENT_DAMP, dampened
+from leapctl.prune.sequential import update_under_masks
+from leapctl.prune.sparsegpt import SparseGPTPruner
 
-PERCENT_DAMP = 0.01
 SOLVE_BYTES = 256 << 20  # rows are solved in batches whose padded H_SS blocks stay under this size
 
 
@@ -33,10 +29,7 @@ def refit_rows(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor,
     """The least-squares kept weights of every row of `weight` [out, in] under `keep` (True = kept), given
     H = X^T X / n [in, in]; pruned entries are exactly 0. With `cross` = X^T X_d / n the target is
     X_d w (another input to the dense weight) instead of X w. Computed in float64 (small, exact solves)."""
-    H = hessian.double().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
+    H, _ = dampened(hessian.double(), percdamp)
     W = weight.double()
     keep = keep.to(W.device).bool()
     # row r of the right-hand side: (H w_r)^T (H symmetric; the dampening keeps w where data is scarce),
@@ -78,85 +71,31 @@ def refit_rows(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor,
     return out * keep
 
 
-class _Statistics:
-    """X_s^T X_s and X_s^T X_d of one linear layer, summed over calibration tokens: X_s its inputs in the
-    sparse model, X_d (with `dense_target`) the same layer's inputs in the dense model."""
+class RefitPruner(SparseGPTPruner):
+    """Accumulates X^T X for one masked linear layer (SparseGPT's statistics, inherited), then replaces its
+    kept weights by their least-squares refit under the fixed mask (`refit_rows`)."""
 
-    def __init__(self, features: int, device: torch.device, dense_target: bool):
-        self.xtx = torch.zeros(features, features, dtype=torch.float32, device=device)
-        self.cross = torch.zeros_like(self.xtx) if dense_target else None
-        self.tokens = 0
+    def __init__(self, linear: nn.Linear, mask: torch.Tensor, percdamp: float = PERCENT_DAMP):
+        super().__init__(linear, percdamp=percdamp)
+        self.mask = mask
 
-    def add(self, sparse_x: torch.Tensor, dense_x: torch.Tensor | None) -> None:
-        x = sparse_x.detach().reshape(-1, self.xtx.shape[0]).float()
-        self.xtx.addmm_(x.T, x)
-        if self.cross is not None:
-            self.cross.addmm_(x.T, dense_x.detach().reshape(-1, self.xtx.shape[0]).float())
-        self.tokens += x.shape[0]
+    @torch.no_grad()
+    def prune(self, sparsity: float) -> torch.Tensor:
+        """Refit in place and return the (unchanged) keep-mask; `sparsity` is the mask's own."""
+        refit = refit_rows(self.linear.weight, self.mask, self.take_hessian(), self.percdamp)
+        self.linear.weight.copy_(refit.to(self.linear.weight.dtype))
+        return self.mask.cpu()
 
 
 @torch.no_grad()
 def reconstruct_weights(model: nn.Module, mask_set: MaskSet, calib_ids: torch.Tensor,
                         device: str | torch.device | None = None, batch_size: int = 8,
-                        dense_target: bool = False, percdamp: float = PERCENT_DAMP,
-                        progress: bool = True) -> MaskSet:
+                        percdamp: float = PERCENT_DAMP, progress: bool = True) -> MaskSet:
     """Replace the weights of every masked linear of `model` (dense on entry) by their least-squares refit
-    under the mask, in place, block by block on the calibration windows `calib_ids` [n, seq_len].
-
-    The target is what the dense weight computes on the layer's inputs in the sparse model (SparseGPT's
-    objective) or, with `dense_target`, what the dense model computes on its own inputs (so each layer also
-    corrects the error the sparse layers before it made)."""
-    compute = resolve_device(device)
-    layout = model_layout(model)
-    blocks, prefix = layout.blocks, layout.prefix
-    masks = {name.removesuffix(".weight"): keep for name, keep in mask_set.masks.items()}
-    hidden, block_args = capture_block_inputs(model, layout, calib_ids, compute, batch_size)
-    dense_hidden = hidden.clone() if dense_target else None
-    parts = [slice(i * batch_size, (i + 1) * batch_size) for i in range(len(block_args[0]))]
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-        task = bar.add_task("reconstruct: decoder blocks", total=len(blocks))
-        for index, block in enumerate(blocks):
-            home = _device_of(block)
-            block.to(compute)
-            mine = {name: module for name, module in block.named_modules()
-                    if f"{prefix}.{index}.{name}" in masks}
-            dense_block = copy.deepcopy(block) if dense_target else None
-            stats = {name: _Statistics(module.in_features, compute, dense_target)
-                     for name, module in mine.items()}
-            for part, (args, kwargs) in zip(parts, block_args[index], strict=True):
-                dense_inputs = (_inputs_of(dense_block, mine, dense_hidden[part], args, kwargs)
-                                if dense_target else {})
-                sparse_inputs = _inputs_of(block, mine, hidden[part], args, kwargs)
-                for name, x in sparse_inputs.items():
-                    stats[name].add(x, dense_inputs.get(name))
-                del dense_inputs, sparse_inputs
-            for name, module in mine.items():
-                s = stats.pop(name)
-                hessian = s.xtx / max(s.tokens, 1)
-                cross = None if s.cross is None else s.cross / max(s.tokens, 1)
-                refit = refit_rows(module.weight, masks[f"{prefix}.{index}.{name}"], hessian, percdamp, cross)
-                module.weight.copy_(refit.to(module.weight.dtype))
-            for part, (args, kwargs) in zip(parts, block_args[index], strict=True):
-                hidden[part] = _block_output(block, hidden[part], args, kwargs)
-                if dense_target:
-                    dense_hidden[part] = _block_output(dense_block, dense_hidden[part], args, kwargs)
-            del dense_block
-            block.to(home)
-            bar.advance(task)
+    under the mask, in place, block by block on the calibration windows `calib_ids` [n, seq_len]. The
+    target is what the dense weight computes on the layer's inputs in the sparse model (SparseGPT's
+    objective)."""
+    update_under_masks(model, calib_ids, mask_set,
+                       lambda linear, mask, name: RefitPruner(linear, mask, percdamp), "reconstruct",
+                       device=device, batch_size=batch_size, progress=progress)
     return mask_set
-
-
-def _inputs_of(block: nn.Module, linears: dict[str, nn.Linear], hidden: torch.Tensor, args: tuple,
-               kwargs: dict) -> dict[str, torch.Tensor]:
-    """The inputs each named linear of `block` receives when the block runs on `hidden`."""
-    seen: dict[str, torch.Tensor] = {}
-    modules = dict(block.named_modules())
-    hooks = [modules[name].register_forward_hook(
-        lambda _m, inputs, _out, name=name: seen.__setitem__(name, inputs[0])) for name in linears]
-    try:
-        _block_output(block, hidden, args, kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen

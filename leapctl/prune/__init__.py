@@ -1,10 +1,12 @@
-"""Pruning methods in one registry: magnitude, Wanda and SparseGPT (one-shot) and LEAP (learned).
+"""One-shot pruning methods in one registry: magnitude, Wanda and SparseGPT.
 
 Every method is `run(model, tokenizer, data, sparsity, **options) -> MaskSet`: it prunes `model` in place
-(zeros, and SparseGPT's or LEAP's reconstruction updated weights) and returns the keep-masks. What `data`
-is depends on the method (`Method.data`): nothing for magnitude, calibration windows [nsamples, seq_len]
-for Wanda and SparseGPT, a training corpus (token stream or calibration source) for LEAP, whose options
-are `LearnConfig` fields. `prune_model` is the one-shot entry point `leapctl prune` uses."""
+(zeros, and SparseGPT's updated weights) and returns the keep-masks. What `data` is depends on the method
+(`Method.data`): nothing for magnitude, calibration windows [nsamples, seq_len] for Wanda and SparseGPT,
+a training corpus (token stream or calibration source) for a learned method. LEAP is offered by
+`leapctl.learn` (`leapctl.learn.LEAP`, the same kind of `Method`); a table of every method, such as
+bench/quality.py's, adds it there, so that `prune/` never imports `learn/`. `prune_model` is the one-shot
+entry point `leapctl prune` uses."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 from leapctl.errors import LeapctlError
-from leapctl.masks import MaskSet
+from leapctl.masks import MaskSet, check_sparsity
 from leapctl.prune.magnitude import magnitude_masks
 from leapctl.prune.sparsegpt import sparsegpt_masks
 from leapctl.prune.wanda import wanda_masks
@@ -49,20 +51,10 @@ def _calibrated(name: str, masks_fn: Callable[..., MaskSet]) -> Callable[..., Ma
     return run
 
 
-def _leap(model, tokenizer, corpus, sparsity, init: MaskSet | None = None, **settings) -> MaskSet:
-    """`leap_masks` with `settings` as `LearnConfig` fields; `init` is the mask to start from."""
-    from leapctl.learn import LearnConfig, leap_masks
-
-    name = str(getattr(model, "name_or_path", ""))
-    config = LearnConfig(model=name, sparsity=sparsity, **settings)
-    return leap_masks(model, tokenizer, corpus, config, init=init)
-
-
 register("magnitude", _magnitude, "none", "smallest |W| of each layer")
 register("wanda", _calibrated("wanda", wanda_masks), "calibration", "|W| * RMS(x), per output row")
 register("sparsegpt", _calibrated("sparsegpt", sparsegpt_masks), "calibration",
          "OBS masks and weight updates per layer")
-register("leap", _leap, "corpus", "mask logits learned end to end (leapctl learn)")
 
 ONE_SHOT = tuple(name for name, method in METHODS.items() if method.data != "corpus")
 CALIBRATED = tuple(name for name, method in METHODS.items() if method.data == "calibration")
@@ -71,13 +63,8 @@ CALIBRATED = tuple(name for name, method in METHODS.items() if method.data == "c
 def check_method(method: str) -> None:
     """A one-shot method name (`leapctl prune`); LEAP is `leapctl learn`."""
     if method not in ONE_SHOT:
-        hint = " (LEAP is `leapctl learn`)" if method in METHODS else ""
+        hint = " (LEAP is `leapctl learn`)" if method == "leap" else ""
         raise LeapctlError(f"unknown pruning method {method!r} (choose from {', '.join(ONE_SHOT)}){hint}")
-
-
-def check_sparsity(sparsity: float) -> None:
-    if not 0.0 < sparsity < 1.0:
-        raise LeapctlError(f"sparsity must lie strictly between 0 and 1, got {sparsity}")
 
 
 def prune_model(model: nn.Module, method: str, sparsity: float, calib_ids: torch.Tensor | None = None,

@@ -12,18 +12,18 @@ per block by swapping every block for a recorder and running the base model once
 sliding-window and full-attention blocks different masks and rotary tables, so block 0's arguments
 would be wrong for the others."""
 
+import re
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
 from leapctl.compute import resolve_device
 from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet
 from leapctl.models import ModelLayout, model_layout
+from leapctl.progress import progress_bar
 
 
 class LayerPruner(Protocol):
@@ -130,8 +130,7 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
     hidden, block_args = capture_block_inputs(model, layout, calib_ids, compute, batch_size)
     slices = _batch_slices(block_args[0], batch_size)
     masks: dict[str, torch.Tensor] = {}
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(f"{method} {sparsity:.0%}: decoder blocks", total=len(blocks))
         for index, block in enumerate(blocks):
             home = _device_of(block)
@@ -158,3 +157,39 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
             bar.advance(task)
     return MaskSet(masks=masks, model=str(getattr(model, "name_or_path", "")),
                    extra={"method": method, "target_sparsity": sparsity})
+
+
+class _Unchanged:
+    """A linear outside the mask set: calibrated with the others, changed never."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def add_batch(self, inputs: torch.Tensor) -> None:
+        pass
+
+    def prune(self, sparsity: float) -> torch.Tensor:
+        return torch.ones(self.linear.weight.shape, dtype=torch.bool)
+
+
+def update_under_masks(model: nn.Module, calib_ids: torch.Tensor, mask_set: MaskSet,
+                       make_updater: Callable[[nn.Linear, torch.Tensor, str], LayerPruner], method: str,
+                       device: str | torch.device | None = None, batch_size: int = 8,
+                       progress: bool = True) -> None:
+    """`prune_sequentially` with the masks given: each linear of `mask_set` gets
+    `make_updater(linear, mask, weight_name)` (GPTQ's quantizer, the least-squares refit), whose `prune`
+    rewrites the kept weights and returns the mask unchanged; every block is calibrated on what the
+    already-updated blocks produce."""
+    if calib_ids is None:
+        raise LeapctlError(f"{method} needs calibration data")
+    names = {id(model.get_submodule(name.removesuffix(".weight"))): name for name in mask_set.masks}
+
+    def make(linear: nn.Linear) -> LayerPruner:
+        name = names.get(id(linear))
+        if name is None:
+            return _Unchanged(linear)
+        return make_updater(linear, mask_set.masks[name].to(linear.weight.device), name)
+
+    include = "|".join(re.escape(name.removesuffix(".weight")) + "$" for name in mask_set.masks)
+    prune_sequentially(model, calib_ids, make, mask_set.sparsity()["global"], method, include=include,
+                       device=device, batch_size=batch_size, progress=progress)

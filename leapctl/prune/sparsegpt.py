@@ -12,20 +12,17 @@ import torch
 from torch import nn
 
 from leapctl.masks import MaskSet, masked_weight
+from leapctl.prune.hessian import PERCENT_DAMP, dampened
 from leapctl.prune.select import keep_mask_per_row, prune_count
 from leapctl.prune.sequential import prune_sequentially
 
 BLOCK_SIZE = 128
-PERCENT_DAMP = 0.01
 
 
 def inverse_hessian_factor(hessian: torch.Tensor,
                            percdamp: float = PERCENT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, dead): U upper-triangular with U^T U = (H + damp I)^-1 after dead channels get H_jj = 1."""
-    H = hessian.clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
+    H, dead = dampened(hessian, percdamp)
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True), dead
 
 
@@ -76,11 +73,15 @@ class SparseGPTPruner:
         self.xtx.addmm_(x.T, x)
         self.tokens += x.shape[0]
 
+    def take_hessian(self) -> torch.Tensor:
+        """H = 2/n X^T X (n calibration tokens); the statistics are freed before the caller allocates."""
+        hessian = self.xtx * (2.0 / max(self.tokens, 1))
+        self.xtx = None
+        return hessian
+
     @torch.no_grad()
     def prune(self, sparsity: float) -> torch.Tensor:
-        hessian = self.xtx * (2.0 / max(self.tokens, 1))
-        self.xtx = None  # free the statistics before the reconstruction allocates
-        weight, keep = sparsegpt_prune_weight(self.linear.weight, hessian, sparsity,
+        weight, keep = sparsegpt_prune_weight(self.linear.weight, self.take_hessian(), sparsity,
                                               self.blocksize, self.percdamp)
         self.linear.weight.copy_(masked_weight(weight.to(self.linear.weight.dtype), keep))
         return keep

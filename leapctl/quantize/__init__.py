@@ -6,12 +6,9 @@ Two methods in one registry, each `run(model, mask_set, group_size, calib_ids, *
 the mask fixed, calibrated block by block on the quantized blocks' outputs). Both quantize the model in
 place: its weights become the dequantized values (exact in fp32), so a quantized run folder is an
 ordinary checkpoint that eval, transformers and stock vLLM read, and `export --format bitmap-q4` turns
-it into codes and scales bit for bit. `quantize_run` is `leapctl quantize`."""
+it into codes and scales bit for bit. `leapctl.commands.quantize` is `leapctl quantize`."""
 
-import re
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -53,41 +50,19 @@ def rtn_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids=N
     return scales
 
 
-class _Unchanged:
-    """A linear outside the mask set: calibrated with the others, quantized never."""
-
-    def __init__(self, linear: nn.Linear):
-        self.linear = linear
-
-    def add_batch(self, inputs: torch.Tensor) -> None:
-        pass
-
-    def prune(self, sparsity: float) -> torch.Tensor:
-        return torch.ones(self.linear.weight.shape, dtype=torch.bool)
-
-
 def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids: torch.Tensor | None = None,
                 device: str | torch.device | None = None, batch_size: int = 8,
                 progress: bool = True) -> dict[str, torch.Tensor]:
-    """GPTQ with the masks fixed, block by block (`prune.sequential`), each block calibrated on what the
-    already-quantized blocks produce."""
-    from leapctl.prune.sequential import prune_sequentially
+    """GPTQ with the masks fixed, block by block (`prune.sequential.update_under_masks`), each block
+    calibrated on what the already-quantized blocks produce."""
+    from leapctl.prune.sequential import update_under_masks
 
     if calib_ids is None:
         raise LeapctlError("gptq needs calibration data")
-    names = {id(_linear(model, name)): name for name in mask_set.masks}
     scales: dict[str, torch.Tensor] = {}
-
-    def make(linear: nn.Linear):
-        name = names.get(id(linear))
-        if name is None:
-            return _Unchanged(linear)
-        mask = mask_set.masks[name].to(linear.weight.device)
-        return GPTQQuantizer(linear, mask, group_size, scales, name)
-
-    include = "|".join(re.escape(name.removesuffix(".weight")) + "$" for name in mask_set.masks)
-    prune_sequentially(model, calib_ids, make, mask_set.sparsity()["global"], "gptq 4-bit", include=include,
-                       device=device, batch_size=batch_size, progress=progress)
+    update_under_masks(model, calib_ids, mask_set,
+                       lambda linear, mask, name: GPTQQuantizer(linear, mask, group_size, scales, name),
+                       "gptq 4-bit", device=device, batch_size=batch_size, progress=progress)
     return scales
 
 
@@ -132,44 +107,4 @@ def quantization_entry(bits: int, group_size: int, method: str, lm_head: bool = 
             "grid": f"scale * (code - {GRID_OFFSET}), code in 0..15, fp16 scale per row and group"}
 
 
-def quantize_run(config: QuantizeConfig) -> dict:
-    """`leapctl quantize`: read a run folder, quantize its kept weights and write a new run folder
-    atomically; returns the report. Every bad setting fails before the model loads."""
-    from leapctl.data import calibration_batch
-    from leapctl.models import load_model
-    from leapctl.outdir import atomic_output_dir, check_output_dir
-    from leapctl.runs import read_run, save_run
-
-    config.validate()
-    inputs = (config.run, config.calib)
-    check_output_dir(Path(config.out), config.overwrite, inputs)
-    source = read_run(config.run)
-    if source.scales is not None:
-        raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
-    check_group_size(source.masks, config.group_size)
-    model, tokenizer = load_model(str(source.path), dtype=torch.float32)
-    calib_ids, calibration = None, None
-    if config.method == "gptq":
-        calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
-                                      model=model, text_field=config.text_field)
-        calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
-                       "seed": config.seed, "tokens": int(calib_ids.numel())}
-    started = time.perf_counter()
-    options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
-                                                       progress=config.progress)
-    scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
-    if config.lm_head:
-        scales[LM_HEAD] = quantize_lm_head(model, config.group_size)
-    report = {"command": "quantize", "source_run": str(source.path),
-              "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
-              "quantization": quantization_entry(config.bits, config.group_size, config.method,
-                                                 config.lm_head),
-              "calibration": calibration, "device": config.device,
-              "quantize_seconds": round(time.perf_counter() - started, 3)}
-    mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
-                       extra={**source.masks.extra, "quantized": config.method})
-    with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
-        return save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
-
-
-__all__ = ["LM_HEAD", "QUANTIZERS", "QuantizeConfig", "quantization_entry", "quantize_model", "quantize_run"]
+__all__ = ["LM_HEAD", "QUANTIZERS", "QuantizeConfig", "quantization_entry", "quantize_model"]

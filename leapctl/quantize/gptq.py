@@ -61,9 +61,8 @@ class GPTQQuantizer(SparseGPTPruner):
     @torch.no_grad()
     def prune(self, sparsity: float) -> torch.Tensor:
         """Quantize in place and return the (unchanged) keep-mask; `sparsity` is the mask's own."""
-        hessian = self.xtx * (2.0 / max(self.tokens, 1))
-        self.xtx = None
-        weight, scales = gptq_quantize(self.linear.weight, self.mask, hessian, self.group_size, self.percdamp)
+        weight, scales = gptq_quantize(self.linear.weight, self.mask, self.take_hessian(), self.group_size,
+                                       self.percdamp)
         self.linear.weight.copy_(weight.to(self.linear.weight.dtype))
         self.scales_out[self.name] = scales.cpu()
         return self.mask.cpu()

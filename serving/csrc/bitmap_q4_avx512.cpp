@@ -14,20 +14,46 @@
 // rows of x; above 8 rows of x, blocks of 2 rows run chunks of up to 4 rows of x, the first keeping the
 // decoded words in a buffer for the others, so every weight is read from memory once per call.
 //
-// What bounds it (1 thread, Zen 5 at about 3.75 GHz, measured on this machine kind): at M = 1 the kernel
-// is compute-bound, not memory-bound. It takes about 1.0 ns (3.8 cycles) per word and weight row whether
-// the weights come from cache (256x2048) or from DRAM (2048x2048 rotated), which is 13 GB/s of weights at
-// 50% against 35 GB/s that torch.sum reads; 80% of that would need 0.44 ns per word. The cost is in the
-// shuffle-class instructions of decoding: throughputs measured alone (independent chains) are about 1 per
-// cycle for vpexpandw zmm, 2 for vpermw and vdpbf16ps, 1.4 for vpmultishiftqb; a stand-alone copy of the
-// loop took 0.5-1.0 ns per word with expand and dp alone, 0.4-0.7 with the decode but no expand. Tried
-// without gain: vbroadcasti32x4 + vpshufb + vpsrlvw in place of vpmovzxwq + vpmultishiftqb (1.07 against
-// 1.01 ns per word), blocks of 2, 3 or 8 rows at M = 1 (within 4%), the buffered chunks for M = 6..8
-// (within 5%, same-process A/B). Dropping the software prefetch saved 2% in cache (kept: it is what
-// bitmap_avx512.cpp needed from DRAM; not re-measured from DRAM here).
-// Above M = 1 the group folds add M/2 multiply-adds per word (G = 64) to the M dot products on the same
-// pipes, and each weight row still pays its decode: from M = 4 the bf16 bitmap op, which only expands,
-// is faster (bench/results/cpu_kernels_q4.md).
+// bf16 x at M <= kLeanMaxM (what decoding serves) runs `lean_block`, the same operations in a shorter
+// loop (see there); M = 5..8, fp16 and fp32 x run `block`.
+//
+// What bounds it (1 thread; Zen 5 at about 4.2 GHz by a dependent add chain; 2 vCPUs shared with other
+// jobs, so figures move by 10%; timings from a stand-alone harness calling q4_gemm_rows_avx512, A/B
+// interleaved, the best of 5). At M = 1 the kernel is compute-bound: about 0.68 ns per word and weight row
+// in L2 (256x2048, 50%, G = 64) and 0.72 from DRAM (2048x2048 rotated), against 0.74 / 0.79 for `block`.
+// 80% of the 35-39 GB/s that torch.sum reads would need 0.43 ns per word at 50%.
+// - Throughput, independent chains: vpexpandw/vpexpandb zmm 1 per cycle; vpmovzxwq, vpermw, vpermb,
+//   vpshufb, vpmultishiftqb, vpshldvw, vpsrlvw, vdpbf16ps 2; vpternlogd 4. Mixed with expands,
+//   vpmovzxwq, vpermw, vpermb and vpshufb add their cost to the expand's (they share its pipes: the
+//   expand behaves as 2 uops on 2 shuffle pipes), vpmultishiftqb, vpshldvw and vdpbf16ps mostly do not.
+// - Latency (cycles): vpexpandw 4.8 (merge) to 9.6 (zero-masking in place), vpermw 7.5 (index),
+//   vpermb 5 (data), vpmovzxwq 5.6, vpmultishiftqb 4.6, vdpbf16ps 8 (accumulator), vfmadd231ps 7.5.
+// - The word's five vector instructions alone (vpmovzxwq, vpmultishiftqb, vpermw, vpexpandw, vdpbf16ps;
+//   8 words in flight, no loads, no scalar work) take about 0.6 ns per word: that is the floor of this
+//   decode, and the kernel is within 15% of it. The rest is issue width: one instruction more per group
+//   and row (an add of two chains, a subtraction) cost 3-10%, which is why `lean_block` keeps a word to
+//   8 instructions (3 of them scalar: kmovd, popcnt, add).
+// Tried (not kept), same harness:
+// - Levels by arithmetic: vpmultishiftqb putting the nibble in bits 3..6 and one vpternlogd making
+//   bf16(16 + code) in place of vpermw, the expand merging bf16(23.5) into pruned columns and 23.5 times
+//   each group's sum of x (computed per call by the same vdpbf16ps sequence, so empty groups cancel
+//   exactly) subtracted at the fold. Its vector mix alone is 25% cheaper, but the kernel took 0.81
+//   against 0.70 ns per word (a pad copy per word, a subtraction per group); in `block` it was no faster
+//   at M = 1 and 40% slower at M = 8.
+// - Two words per step with one vpexpandb for 64 columns (vpermb and vpmultishiftqb driven by tables
+//   indexed by the first word's popcount put code i in byte i, skipping the padding nibble; two
+//   vpternlogd make bf16 levels of the even and odd columns, which multiply x de-interleaved once per
+//   call; the 23.5 offset as above): 4 shuffle uops per 64 columns instead of 10, but 21-25 instructions
+//   per pair and row; 0.74-0.81 against 0.70 ns per word at M = 1 (a 64-byte code load splits a cache
+//   line every time: 0.80; a 32-byte one 0.74), and slower at M = 2..8.
+// - At M = 1: two accumulator chains per row to hide vdpbf16ps's latency (0.695 against 0.673: the add
+//   costs more than the latency), blocks of 3, 6 or 8 rows (0.70-0.73, 4 is best), the bitmap
+//   prefetched as well (no gain), no code prefetch (1.2 ns per word from DRAM), a fresh zero and a merge
+//   instead of the in-place zero-masking expand (same time).
+// - `lean_block` at M = 5..8 (one weight row per block): 4-9% slower than `block`, so those keep it.
+// Above M = 1 each word and row adds a vdpbf16ps per row of x and each group a multiply-add per row of x
+// (G = 64: 1.5 M operations per word on the two FMA pipes), on top of the decode: from M = 4..8 the bf16
+// bitmap op, which only expands, is about as fast or faster (bench/results/cpu_kernels_q4.md).
 #include <immintrin.h>
 
 #include <array>
@@ -308,15 +334,22 @@ void rows_chunked(const Q4Problem& p, const uint8_t* base, int64_t row_begin, in
 
 // ---- bf16 x, up to kLeanMaxM rows: the same decode in a shorter loop ----
 //
-// At these M the kernel is bound by how many instructions each word and weight row issues (about 3.3 per
-// cycle were measured here; see the head of this file), so this loop drops what `block` spends besides
-// the five vector instructions of a word: the code bytes of a word come from a table (one add with a
-// memory operand, not add/shift/extend), the expand is zero-masking in place (no zero idiom: its
-// destination is its source, so the form adds no dependency), the group's scale is an fp32 broadcast
-// operand of the fold (the block's scales converted once, 16 per instruction), one prefetch per group and
-// row, and the bitmap is addressed from one pointer. The sums are the same sequence of operations as in
-// `block` (vdpbf16ps per word into the group's sum, one multiply-add per group), so results equal its.
+// At these M the kernel is bound by the decode's shuffle-class instructions and by how many instructions
+// each word and weight row issues (see the head of this file), so this loop keeps only the five vector
+// instructions of a word and three scalar ones: the code bytes of a word come from a table (an add with
+// a memory operand instead of add, shift and sign extension), the expand is zero-masking in place (its
+// destination is its source, so the form adds no dependency and needs no zero idiom), the group's scale
+// is an fp32 broadcast operand of the fold (the block's scales converted at its start, 16 per
+// instruction, the next block's prefetched), one prefetch per group and row, and one pointer addresses
+// the block's bitmap. Every output is the same sequence of operations as in `block` (a vdpbf16ps per word
+// into the group's sum, one multiply-add per group with the same fp32 scale), so results are the same.
 constexpr int kLeanMaxM = 4;
+
+// vpmultishiftqb control for a qword holding codes 0..15 (or 16..31) of a word: the low byte of 16-bit
+// lane k takes bits 4k.. of the codes, for lanes 0..15 from the first 8 code bytes, 16..31 the next 8.
+alignas(64) constexpr uint64_t kWideShifts[8] = {0x000c000800040000ull, 0x001c001800140010ull, 0x002c002800240020ull,
+                                                 0x003c003800340030ull, 0x000c000800040000ull, 0x001c001800140010ull,
+                                                 0x002c002800240020ull, 0x003c003800340030ull};
 
 // ceil(n / 2): the code bytes of a word with n kept weights.
 alignas(64) constexpr int64_t kCodeBytes[33] = {0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
@@ -326,6 +359,8 @@ template <int M, int R, int GW>
 void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* scales32, const Distances* ahead) {
   const __m512i levels = _mm512_load_si512(kLevels);
   const __m512i shifts = _mm512_set1_epi64(static_cast<long long>(kNibbleShifts));
+  const __m512i wide_shifts = _mm512_load_si512(kWideShifts);
+  const __mmask64 upper = 0xffffffff00000000ull;
   const int64_t gw = GW > 0 ? GW : p.group_words, words = p.cols / 32, row_bytes = p.cols / 8;
   const uint8_t* c[R];
   __m512 acc[R][M];
@@ -363,8 +398,22 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
         const uint8_t* word = bits + r * row_bytes + 4 * (w + j);
         uint32_t mask;
         std::memcpy(&mask, word, 4);
-        const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c[r])));
-        __m512i packed = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(shifts, pairs), levels);
+        __m512i nibbles;
+        if constexpr (M == 1) {
+          // Codes 0..15 and 16..31 each broadcast from memory into the vpmultishiftqb that selects them
+          // (lanes 16..31 by a byte mask): no vpmovzxwq on the expand's pipes (3-4% at M = 1; slower at
+          // M = 2..4, where the extra mask and control registers cost more).
+          asm("vpmultishiftqb %1%{1to8%}, %2, %0"
+              : "=v"(nibbles)
+              : "m"(*reinterpret_cast<const int64_t*>(c[r])), "v"(wide_shifts));
+          asm("vpmultishiftqb %1%{1to8%}, %2, %0%{%3%}"
+              : "+v"(nibbles)
+              : "m"(*reinterpret_cast<const int64_t*>(c[r] + 8)), "v"(wide_shifts), "Yk"(upper));
+        } else {
+          const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c[r])));
+          nibbles = _mm512_multishift_epi64_epi8(shifts, pairs);
+        }
+        __m512i packed = _mm512_permutexvar_epi16(nibbles, levels);
         asm("vpexpandw %0, %0%{%1%}%{z%}"
             : "+v"(packed)
             : "Yk"(_load_mask32(reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(word)))));

@@ -19,9 +19,11 @@
 //
 // What bounds it (1 thread; Zen 5 at about 4.2 GHz by a dependent add chain; 2 vCPUs shared with other
 // jobs, so figures move by 10%; timings from a stand-alone harness calling q4_gemm_rows_avx512, A/B
-// interleaved, the best of 5). At M = 1 the kernel is compute-bound: about 0.68 ns per word and weight row
-// in L2 (256x2048, 50%, G = 64) and 0.72 from DRAM (2048x2048 rotated), against 0.74 / 0.79 for `block`.
-// 80% of the 35-39 GB/s that torch.sum reads would need 0.43 ns per word at 50%.
+// interleaved, the best of 5, load average about 3). At M = 1 the kernel is compute-bound: about 0.67-0.70
+// ns per word and weight row in L2 (256x2048, 50%, G = 64) and 0.69-0.76 from DRAM (2048x2048 and
+// 2048x8192 rotated through 70-140 MB), against 0.74-0.77 and 0.75-0.83 for `block` (the kernel before
+// `lean_block`): 17-19 GB/s of weights. 80% of the 35-39 GB/s that torch.sum reads on a quiet machine
+// would need 0.43 ns per word at 50%.
 // - Throughput, independent chains: vpexpandw/vpexpandb zmm 1 per cycle; vpmovzxwq, vpermw, vpermb,
 //   vpshufb, vpmultishiftqb, vpshldvw, vpsrlvw, vdpbf16ps 2; vpternlogd 4. Mixed with expands,
 //   vpmovzxwq, vpermw, vpermb and vpshufb add their cost to the expand's (they share its pipes: the
@@ -48,9 +50,14 @@
 //   line every time: 0.80; a 32-byte one 0.74), and slower at M = 2..8.
 // - At M = 1: two accumulator chains per row to hide vdpbf16ps's latency (0.695 against 0.673: the add
 //   costs more than the latency), blocks of 3, 6 or 8 rows (0.70-0.73, 4 is best), the bitmap
-//   prefetched as well (no gain), no code prefetch (1.2 ns per word from DRAM), a fresh zero and a merge
-//   instead of the in-place zero-masking expand (same time).
-// - `lean_block` at M = 5..8 (one weight row per block): 4-9% slower than `block`, so those keep it.
+//   prefetched as well or twice the prefetch distance (no gain), no code prefetch (1.2 ns per word from
+//   DRAM), a fresh zero and a merge instead of the in-place zero-masking expand (same time). Kept: the
+//   two halves of a word's codes as broadcast memory operands of vpmultishiftqb (3-4%; slower at M = 2..4).
+// - `lean_block` at M = 5..8 (one weight row per block): 4-9% slower than `block`, so those keep it;
+//   x as the memory operand of vdpbf16ps (fewer instructions): 40-100% slower at every M.
+// Through the op (bench/cpu_kernels_q4.py, 256 MiB rotated, load average about 3, other jobs' memory
+// traffic: torch.sum read 20-34 GB/s in the same runs) M = 1 took 0.82-1.1 ns per word for this kernel
+// and for `block` alike: the harness's 10% did not show through that noise.
 // Above M = 1 each word and row adds a vdpbf16ps per row of x and each group a multiply-add per row of x
 // (G = 64: 1.5 M operations per word on the two FMA pipes), on top of the decode: from M = 4..8 the bf16
 // bitmap op, which only expands, is about as fast or faster (bench/results/cpu_kernels_q4.md).

@@ -151,6 +151,18 @@ def test_thread_count_does_not_change_the_result(op, isa):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_row_of_x_gets_the_same_result_whatever_the_other_rows(op, isa, one_thread, group):
+    """Up to 40 rows of x each output is the same sequence of operations whatever M (bf16 x at M <= 4 runs
+    a loop of its own on AVX-512, larger M the general blocks and chunks): every row of x alone gives
+    bit for bit what it gives among others."""
+    t = encoded(45, 640, 0.5, group)
+    x = torch.randn(40, 640).to(torch.bfloat16)
+    alone = torch.cat([call(op, x[i : i + 1], t) for i in range(40)])
+    for m in (2, 3, 4, 5, 8, 9, 17, 40):
+        assert torch.equal(call(op, x[:m], t), alone[:m]), m
+
+
 def test_avx512_and_avx2_agree_within_rounding(op, one_thread):
     if cpu_kernel.supported_isas() != list(cpu_kernel.ISAS):
         pytest.skip("needs a CPU that runs both kernels")

@@ -14,22 +14,56 @@
 // rows of x; above 8 rows of x, blocks of 2 rows run chunks of up to 4 rows of x, the first keeping the
 // decoded words in a buffer for the others, so every weight is read from memory once per call.
 //
-// What bounds it (1 thread, Zen 5 at about 3.75 GHz, measured on this machine kind): at M = 1 the kernel
-// is compute-bound, not memory-bound. It takes about 1.0 ns (3.8 cycles) per word and weight row whether
-// the weights come from cache (256x2048) or from DRAM (2048x2048 rotated), which is 13 GB/s of weights at
-// 50% against 35 GB/s that torch.sum reads; 80% of that would need 0.44 ns per word. The cost is in the
-// shuffle-class instructions of decoding: throughputs measured alone (independent chains) are about 1 per
-// cycle for vpexpandw zmm, 2 for vpermw and vdpbf16ps, 1.4 for vpmultishiftqb; a stand-alone copy of the
-// loop took 0.5-1.0 ns per word with expand and dp alone, 0.4-0.7 with the decode but no expand. Tried
-// without gain: vbroadcasti32x4 + vpshufb + vpsrlvw in place of vpmovzxwq + vpmultishiftqb (1.07 against
-// 1.01 ns per word), blocks of 2, 3 or 8 rows at M = 1 (within 4%), the buffered chunks for M = 6..8
-// (within 5%, same-process A/B). Dropping the software prefetch saved 2% in cache (kept: it is what
-// bitmap_avx512.cpp needed from DRAM; not re-measured from DRAM here).
-// Above M = 1 the group folds add M/2 multiply-adds per word (G = 64) to the M dot products on the same
-// pipes, and each weight row still pays its decode: from M = 4 the bf16 bitmap op, which only expands,
-// is faster (bench/results/cpu_kernels_q4.md).
+// bf16 x at M <= kLeanMaxM (what decoding serves) runs `lean_block`, the same operations in a shorter
+// loop (see there); M = 5..8, fp16 and fp32 x run `block`.
+//
+// What bounds it (1 thread; Zen 5 at about 4.2 GHz by a dependent add chain; 2 vCPUs shared with other
+// jobs, so figures move by 10%; timings from a stand-alone harness calling q4_gemm_rows_avx512, A/B
+// interleaved, the best of 5, load average about 3). At M = 1 the kernel is compute-bound: about 0.67-0.70
+// ns per word and weight row in L2 (256x2048, 50%, G = 64) and 0.69-0.76 from DRAM (2048x2048 and
+// 2048x8192 rotated through 70-140 MB), against 0.74-0.77 and 0.75-0.83 for `block` (the kernel before
+// `lean_block`): 17-19 GB/s of weights. 80% of the 35-39 GB/s that torch.sum reads on a quiet machine
+// would need 0.43 ns per word at 50%.
+// - Throughput, independent chains: vpexpandw/vpexpandb zmm 1 per cycle; vpmovzxwq, vpermw, vpermb,
+//   vpshufb, vpmultishiftqb, vpshldvw, vpsrlvw, vdpbf16ps 2; vpternlogd 4. Mixed with expands,
+//   vpmovzxwq, vpermw, vpermb and vpshufb add their cost to the expand's (they share its pipes: the
+//   expand behaves as 2 uops on 2 shuffle pipes), vpmultishiftqb, vpshldvw and vdpbf16ps mostly do not.
+// - Latency (cycles): vpexpandw 4.8 (merge) to 9.6 (zero-masking in place), vpermw 7.5 (index),
+//   vpermb 5 (data), vpmovzxwq 5.6, vpmultishiftqb 4.6, vdpbf16ps 8 (accumulator), vfmadd231ps 7.5.
+// - The word's five vector instructions alone (vpmovzxwq, vpmultishiftqb, vpermw, vpexpandw, vdpbf16ps;
+//   8 words in flight, no loads, no scalar work) take about 0.6 ns per word: that is the floor of this
+//   decode, and the kernel is within 15% of it. The rest is issue width: one instruction more per group
+//   and row (an add of two chains, a subtraction) cost 3-10%, which is why `lean_block` keeps a word to
+//   8 instructions (3 of them scalar: kmovd, popcnt, add).
+// Tried (not kept), same harness:
+// - Levels by arithmetic: vpmultishiftqb putting the nibble in bits 3..6 and one vpternlogd making
+//   bf16(16 + code) in place of vpermw, the expand merging bf16(23.5) into pruned columns and 23.5 times
+//   each group's sum of x (computed per call by the same vdpbf16ps sequence, so empty groups cancel
+//   exactly) subtracted at the fold. Its vector mix alone is 25% cheaper, but the kernel took 0.81
+//   against 0.70 ns per word (a pad copy per word, a subtraction per group); in `block` it was no faster
+//   at M = 1 and 40% slower at M = 8.
+// - Two words per step with one vpexpandb for 64 columns (vpermb and vpmultishiftqb driven by tables
+//   indexed by the first word's popcount put code i in byte i, skipping the padding nibble; two
+//   vpternlogd make bf16 levels of the even and odd columns, which multiply x de-interleaved once per
+//   call; the 23.5 offset as above): 4 shuffle uops per 64 columns instead of 10, but 21-25 instructions
+//   per pair and row; 0.74-0.81 against 0.70 ns per word at M = 1 (a 64-byte code load splits a cache
+//   line every time: 0.80; a 32-byte one 0.74), and slower at M = 2..8.
+// - At M = 1: two accumulator chains per row to hide vdpbf16ps's latency (0.695 against 0.673: the add
+//   costs more than the latency), blocks of 3, 6 or 8 rows (0.70-0.73, 4 is best), the bitmap
+//   prefetched as well or twice the prefetch distance (no gain), no code prefetch (1.2 ns per word from
+//   DRAM), a fresh zero and a merge instead of the in-place zero-masking expand (same time). Kept: the
+//   two halves of a word's codes as broadcast memory operands of vpmultishiftqb (3-4%; slower at M = 2..4).
+// - `lean_block` at M = 5..8 (one weight row per block): 4-9% slower than `block`, so those keep it;
+//   x as the memory operand of vdpbf16ps (fewer instructions): 40-100% slower at every M.
+// Through the op (bench/cpu_kernels_q4.py, 256 MiB rotated, load average about 3, other jobs' memory
+// traffic: torch.sum read 20-34 GB/s in the same runs) M = 1 took 0.82-1.1 ns per word for this kernel
+// and for `block` alike: the harness's 10% did not show through that noise.
+// Above M = 1 each word and row adds a vdpbf16ps per row of x and each group a multiply-add per row of x
+// (G = 64: 1.5 M operations per word on the two FMA pipes), on top of the decode: from M = 4..8 the bf16
+// bitmap op, which only expands, is about as fast or faster (bench/results/cpu_kernels_q4.md).
 #include <immintrin.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -305,9 +339,142 @@ void rows_chunked(const Q4Problem& p, const uint8_t* base, int64_t row_begin, in
   std::free(kept);
 }
 
+// ---- bf16 x, up to kLeanMaxM rows: the same decode in a shorter loop ----
+//
+// At these M the kernel is bound by the decode's shuffle-class instructions and by how many instructions
+// each word and weight row issues (see the head of this file), so this loop keeps only the five vector
+// instructions of a word and three scalar ones: the code bytes of a word come from a table (an add with
+// a memory operand instead of add, shift and sign extension), the expand is zero-masking in place (its
+// destination is its source, so the form adds no dependency and needs no zero idiom), the group's scale
+// is an fp32 broadcast operand of the fold (the block's scales converted at its start, 16 per
+// instruction, the next block's prefetched), one prefetch per group and row, and one pointer addresses
+// the block's bitmap. Every output is the same sequence of operations as in `block` (a vdpbf16ps per word
+// into the group's sum, one multiply-add per group with the same fp32 scale), so results are the same.
+constexpr int kLeanMaxM = 4;
+
+// vpmultishiftqb control for a qword holding codes 0..15 (or 16..31) of a word: the low byte of 16-bit
+// lane k takes bits 4k.. of the codes, for lanes 0..15 from the first 8 code bytes, 16..31 the next 8.
+alignas(64) constexpr uint64_t kWideShifts[8] = {0x000c000800040000ull, 0x001c001800140010ull, 0x002c002800240020ull,
+                                                 0x003c003800340030ull, 0x000c000800040000ull, 0x001c001800140010ull,
+                                                 0x002c002800240020ull, 0x003c003800340030ull};
+
+// ceil(n / 2): the code bytes of a word with n kept weights.
+alignas(64) constexpr int64_t kCodeBytes[33] = {0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
+                                                9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15, 16, 16};
+
+template <int M, int R, int GW>
+void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* scales32, const Distances* ahead) {
+  const __m512i levels = _mm512_load_si512(kLevels);
+  const __m512i shifts = _mm512_set1_epi64(static_cast<long long>(kNibbleShifts));
+  const __m512i wide_shifts = _mm512_load_si512(kWideShifts);
+  const __mmask64 upper = 0xffffffff00000000ull;
+  const int64_t gw = GW > 0 ? GW : p.group_words, words = p.cols / 32, row_bytes = p.cols / 8;
+  const uint8_t* c[R];
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r) {
+    c[r] = base + p.row_offsets[row + r];
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const uint16_t* sc = p.scales + (row + r) * p.groups;
+    int64_t g = 0;
+    for (; g + 16 <= p.groups; g += 16) {
+      _mm512_storeu_ps(scales32 + r * p.groups + g,
+                      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g))));
+    }
+    if (g < p.groups) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (p.groups - g)) - 1);
+      _mm512_mask_storeu_ps(scales32 + r * p.groups + g, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, sc + g)));
+    }
+    // The next block's scales, which it reads before its first word (3% from DRAM).
+    if (ahead != nullptr && row + R + r < p.rows) {
+      for (int64_t b = 0; b < p.groups * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(sc + R * p.groups) + b, _MM_HINT_T0);
+    }
+  }
+  const uint8_t* bits = p.bitmap + row * row_bytes;  // row r's word w at bits + r * row_bytes + 4 w
+  const char* x = static_cast<const char*>(p.x);
+  const float* s32 = scales32;
+  for (int64_t w = 0; w < words; w += gw, ++s32) {
+    __m512 part[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    if (ahead != nullptr) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(c[r]) + ahead->codes, _MM_HINT_T0);
+    }
+    for (int64_t j = 0; j < gw; ++j) {
+      __m512i e[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* word = bits + r * row_bytes + 4 * (w + j);
+        uint32_t mask;
+        std::memcpy(&mask, word, 4);
+        __m512i nibbles;
+        if constexpr (M == 1) {
+          // Codes 0..15 and 16..31 each broadcast from memory into the vpmultishiftqb that selects them
+          // (lanes 16..31 by a byte mask): no vpmovzxwq on the expand's pipes (3-4% at M = 1; slower at
+          // M = 2..4, where the extra mask and control registers cost more).
+          asm("vpmultishiftqb %1%{1to8%}, %2, %0"
+              : "=v"(nibbles)
+              : "m"(*reinterpret_cast<const int64_t*>(c[r])), "v"(wide_shifts));
+          asm("vpmultishiftqb %1%{1to8%}, %2, %0%{%3%}"
+              : "+v"(nibbles)
+              : "m"(*reinterpret_cast<const int64_t*>(c[r] + 8)), "v"(wide_shifts), "Yk"(upper));
+        } else {
+          const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c[r])));
+          nibbles = _mm512_multishift_epi64_epi8(shifts, pairs);
+        }
+        __m512i packed = _mm512_permutexvar_epi16(nibbles, levels);
+        asm("vpexpandw %0, %0%{%1%}%{z%}"
+            : "+v"(packed)
+            : "Yk"(_load_mask32(reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(word)))));
+        e[r] = packed;
+        c[r] += kCodeBytes[_mm_popcnt_u32(mask)];
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_loadu_si512(x + m * 64);
+        for (int r = 0; r < R; ++r) part[r][m] = _mm512_dpbf16_ps(part[r][m], (__m512bh)e[r], (__m512bh)xv);
+      }
+      x += M * 64;
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(s32[r * p.groups]);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
+    }
+  }
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
+  for (int m = 0; m < M; ++m) {
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<DType::BF16>(p.y, m * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+  }
+}
+
+template <int M>
+void lean_rows(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64_t row_end) {
+  constexpr int R = block_rows(M);
+  const Distances ahead = block_distances(p, row_begin, row_end, R);
+  const Distances single = block_distances(p, row_begin, row_end, 1);
+  float* scales32 = static_cast<float*>(std::aligned_alloc(64, ((R * p.groups + 15) / 16 * 16 + 16) * 4));
+  with_group_words(p.group_words, [&](auto gw) {
+    constexpr int GW = decltype(gw)::value;
+    int64_t row = row_begin;
+    for (; row + R <= row_end; row += R) lean_block<M, R, GW>(p, base, row, scales32, &ahead);
+    for (; row < row_end; ++row) lean_block<M, 1, GW>(p, base, row, scales32, &single);
+  });
+  std::free(scales32);
+}
+
+template <int... Ms>
+constexpr auto make_lean_kernels(std::integer_sequence<int, Ms...>) {
+  using Fn = void (*)(const Q4Problem&, const uint8_t*, int64_t, int64_t);
+  return std::array<Fn, sizeof...(Ms)>{&lean_rows<Ms + 1>...};
+}
+
 template <DType D>
 void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end) {
   const uint8_t* base = codes.base - codes.first;
+  if (D == DType::BF16 && p.m <= kLeanMaxM) {
+    static constexpr auto kernels = make_lean_kernels(std::make_integer_sequence<int, kLeanMaxM>{});
+    return kernels[p.m - 1](p, base, row_begin, row_end);
+  }
   if (p.m <= kChunkMaxM) return Kernels<D>::rows[p.m - 1](p, base, row_begin, row_end);
   rows_chunked<D>(p, base, row_begin, row_end);
 }

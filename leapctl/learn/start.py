@@ -8,6 +8,7 @@ import torch
 from leapctl.data import corpus_ids, sample_windows
 from leapctl.errors import LeapctlError
 from leapctl.learn.config import LearnConfig
+from leapctl.learn.heldout import split_stream
 from leapctl.masks import MaskSet, load_masks
 from leapctl.models import model_layout
 from leapctl.runs import mask_source
@@ -17,19 +18,21 @@ from leapctl.runs import mask_source
 INIT_MASKS_SPARSITY_SLACK = 0.02
 
 
-def training_corpus(config: LearnConfig, model, tokenizer) -> torch.Tensor:
-    """The token stream for training. A text source must hold at least one global batch; `generated`
-    samples `calib_tokens` tokens (default: one pass of the whole run, capped at 1M)."""
+def training_corpus(config: LearnConfig, model, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the token stream for training, the held-apart tail of a text source or None: learn/heldout.py).
+    A text source must hold at least one global batch; `generated` samples `calib_tokens` tokens (default:
+    one pass of the whole run, capped at 1M)."""
     one_batch = config.batch_size * config.seq_len
     if config.calib == "generated":
         wanted = config.calib_tokens or min(config.steps * one_batch, 1 << 20)
         ids = corpus_ids("generated", tokenizer, model=model, seed=config.seed + 1,
                          min_tokens=max(wanted, one_batch), generated_seq_len=config.seq_len)
-    else:
-        ids = corpus_ids(config.calib, tokenizer, model=model, seed=config.seed, min_tokens=one_batch)
-        if config.calib_tokens:
-            ids = ids[: max(config.calib_tokens, one_batch)]
-    return ids.cpu()
+        return ids.cpu(), None
+    ids = corpus_ids(config.calib, tokenizer, model=model, seed=config.seed, min_tokens=one_batch)
+    ids, tail = split_stream(ids.cpu(), config.calib, config.report_windows, config.seq_len)
+    if config.calib_tokens:
+        ids = ids[: max(config.calib_tokens, one_batch)]
+    return ids, tail
 
 
 def wanda_init(model, calib: torch.Tensor, config: LearnConfig, device) -> MaskSet:

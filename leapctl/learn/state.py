@@ -7,11 +7,13 @@ from pathlib import Path
 
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import CHECKPOINT_INDEX, FOLDER_PREFIX
+from leapctl.learn.heldout import HELD_APART_FILE
 from leapctl.learn.metrics import METRICS_FILE, TENSORBOARD_DIR
 from leapctl.learn.stream import TOKENS_FILE, TOKENS_INFO
 
 INIT_MASKS_FILE = "init_masks.safetensors"  # the initial keep-masks, computed once and read by every process
-STATE_ENTRIES = (TOKENS_FILE, TOKENS_INFO, METRICS_FILE, INIT_MASKS_FILE, CHECKPOINT_INDEX, TENSORBOARD_DIR)
+STATE_ENTRIES = (TOKENS_FILE, TOKENS_INFO, METRICS_FILE, INIT_MASKS_FILE, CHECKPOINT_INDEX, TENSORBOARD_DIR,
+                 HELD_APART_FILE)
 
 
 def check_state_dir(state_dir: Path, out: Path, inputs: tuple[Path | str | None, ...]) -> None:

@@ -138,7 +138,7 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
     state_dir = config.state_dir()
     meta = read_checkpoint(state_dir, fingerprint) if config.resume else None
     if isinstance(corpus, str):
-        corpus = training_corpus(dataclasses.replace(config, calib=corpus), model, tokenizer)
+        corpus, _ = training_corpus(dataclasses.replace(config, calib=corpus), model, tokenizer)
     if meta is not None and meta["tokens"] != len(corpus):
         raise LeapctlError(f"--resume: the checkpoint was trained on {meta['tokens']} tokens, the token "
                            f"stream holds {len(corpus)}")

@@ -31,7 +31,7 @@ ISAS = ("avx512", "avx2")  # fastest first
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
            "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp")
-HEADERS = ("bitmap_kernels.h", "bitmap_q4_kernels.h")
+HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))  # every header is in the build's hash
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.
 # -fopenmp: at::parallel_for is inline code that splits work only where _OPENMP is defined; without it

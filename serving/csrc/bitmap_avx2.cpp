@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "bitmap_kernels.h"
@@ -44,6 +45,8 @@ constexpr ExpandTables kTables = make_tables();
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,popcnt,bmi,bmi2")
 
+#include "kernel_common.h"  // compiled for the target above
+
 namespace leap_sparse {
 namespace {
 
@@ -54,43 +57,6 @@ constexpr int kTileRows = 2;           // weight rows per tile (16 ymm registers
 constexpr int kMaxChunk = 4;           // rows of x per pass of the micro-kernel
 constexpr int64_t kTileBytes = 32768;  // per weight row of the (fp32) tile: whole rows up to 8192 columns
 constexpr int kPrefetchBytes = 4096;
-
-inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
-inline uint32_t mask_word(const uint8_t* row, int64_t w, int64_t bytes) {
-  uint32_t word = 0;
-  std::memcpy(&word, row + 4 * w, bytes);
-  return word;
-}
-
-inline uint16_t round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-template <DType D>
-inline void store(void* y, int64_t index, float value) {
-  if constexpr (D == DType::F32) {
-    static_cast<float*>(y)[index] = value;
-  } else if constexpr (D == DType::BF16) {
-    static_cast<uint16_t*>(y)[index] = round_to_bf16(value);
-  } else {
-    static_cast<uint16_t*>(y)[index] =
-        static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-}
-
-template <DType D>
-struct Traits {
-  using Value = uint16_t;
-};
-template <>
-struct Traits<DType::F32> {
-  using Value = float;
-};
 
 // The next popcount(byte) values of a row at the byte's set bits, as 8 fp32 lanes (zeros elsewhere).
 template <DType D>
@@ -110,13 +76,6 @@ inline __m256 expand8(uint32_t byte, const typename Traits<D>::Value* v) {
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
     }
   }
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // One 32-column word of a weight row as four fp32 vectors of 8 columns.
@@ -262,11 +221,7 @@ template <DType D>
 void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
   using Value = typename Traits<D>::Value;
   const Value* base = static_cast<const Value*>(values.base) - values.first;
-  if (p.cols == 0) {
-    for (int64_t row = row_begin; row < row_end; ++row)
-      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
-    return;
-  }
+  if (p.cols == 0) return store_bias<D>(p, row_begin, row_end);
   switch (p.m <= kDirectMaxM ? p.m : 0) {
     case 1: return rows_direct<D, 1>(p, base, row_begin, row_end);
     case 2: return rows_direct<D, 2>(p, base, row_begin, row_end);
@@ -307,20 +262,12 @@ void decode_rows(const Problem& p, Values values, int64_t row_begin, int64_t row
 }  // namespace
 
 void gemm_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, v, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, v, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, v, row_begin, row_end);
-  }
+  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, v, row_begin, row_end); });
 }
 
 void decode_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                       int64_t out_stride) {
-  switch (p.dtype) {
-    case DType::BF16:
-    case DType::F16: return decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);
-    case DType::F32: return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
-  }
+  with_value_dtype(p.dtype, [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
 }
 
 // x [m, cols] (rows x_row_stride elements apart, in dtype) widened to fp32 rows of out_stride, zero past

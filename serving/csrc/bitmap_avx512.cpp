@@ -22,6 +22,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
 
+#include "kernel_avx512.h"  // compiled for the target above
+
 namespace leap_sparse {
 namespace {
 
@@ -47,14 +49,6 @@ constexpr int64_t kTileBytes = 32768;
 // 8 KiB measured best (2-4 KiB short of bandwidth, 32 KiB no better).
 constexpr int64_t kPrefetchBytes = 8192;
 
-inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
-inline uint32_t mask_word(const uint8_t* row, int64_t w, int64_t bytes) {
-  uint32_t word = 0;
-  std::memcpy(&word, row + 4 * w, bytes);
-  return word;
-}
-
 // The next popcount(word) 16-bit values of a row, placed at the word's set bits (zeros elsewhere).
 //
 // On Zen 5, vpexpandw and vexpandps with zero-masking ({z}) still wait for the previous value of their
@@ -78,59 +72,6 @@ inline __m512 expand_ps(uint32_t half_word, const float* v) {
   asm("" : "+v"(packed), "+v"(fresh));
   return _mm512_mask_expand_ps(fresh, static_cast<__mmask16>(half_word), packed);
 }
-
-inline uint16_t round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-template <DType D>
-inline void store(void* y, int64_t index, float value) {
-  if constexpr (D == DType::F32) {
-    static_cast<float*>(y)[index] = value;
-  } else if constexpr (D == DType::BF16) {
-    static_cast<uint16_t*>(y)[index] = round_to_bf16(value);
-  } else {
-    static_cast<uint16_t*>(y)[index] =
-        static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-}
-
-// The four sums of four accumulators, for four consecutive outputs: short rows leave few multiply-adds
-// per sum, where four separate horizontal sums took a large share of the time.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const auto half = [](__m512 v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  };
-  return _mm_hadd_ps(_mm_hadd_ps(half(a), half(b)), _mm_hadd_ps(half(c), half(d)));
-}
-
-// y[index .. index + count) = the first `count` of four sums, in the output dtype.
-template <DType D>
-inline void store4(void* y, int64_t index, __m128 sums, int count) {
-  const __mmask8 keep = static_cast<__mmask8>((1u << count) - 1);
-  if constexpr (D == DType::F32) {
-    _mm_mask_storeu_ps(static_cast<float*>(y) + index, keep, sums);
-  } else if constexpr (D == DType::BF16) {
-    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep, (__m128i)_mm_cvtneps_pbh(sums));
-  } else {
-    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep,
-                          _mm_cvtps_ph(sums, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-}
-
-template <DType D>
-struct Traits {
-  using Value = uint16_t;
-};
-template <>
-struct Traits<DType::F32> {
-  using Value = float;
-};
 
 // One 32-column word of a weight row, expanded: bf16 stays packed in pairs for vdpbf16ps, fp16 and
 // fp32 become two fp32 vectors of 16 columns.
@@ -273,13 +214,7 @@ void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64
     for (int64_t w = 0; w < full; ++w) step(w, 4);
   }
   if (tail_bytes > 0) step(full, tail_bytes);
-  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
-  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
-  for (int m = 0; m < M; ++m) {
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
-  }
+  store_block<D, M, R>(p.y, p.y_stride, p.bias, row, m0, acc);
 }
 
 // All rows of x in one chunk: blocks of R weight rows (single rows at the end of the range), the block
@@ -470,11 +405,7 @@ template <DType D>
 void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
   using Value = typename Traits<D>::Value;
   const Value* base = static_cast<const Value*>(values.base) - values.first;
-  if (p.cols == 0) {
-    for (int64_t row = row_begin; row < row_end; ++row)
-      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
-    return;
-  }
+  if (p.cols == 0) return store_bias<D>(p, row_begin, row_end);
   if constexpr (D == DType::BF16) {
     if (p.m <= kWideChunkM) return Direct<D, 4, 1, kWideChunkM>::rows[p.m - 1](p, base, row_begin, row_end);
     if (p.m <= kChunkMaxM) {
@@ -520,20 +451,12 @@ void decode_rows(const Problem& p, Values values, int64_t row_begin, int64_t row
 }  // namespace
 
 void gemm_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, v, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, v, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, v, row_begin, row_end);
-  }
+  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, v, row_begin, row_end); });
 }
 
 void decode_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                         int64_t out_stride) {
-  switch (p.dtype) {
-    case DType::BF16:
-    case DType::F16: return decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);
-    case DType::F32: return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
-  }
+  with_value_dtype(p.dtype, [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
 }
 
 }  // namespace leap_sparse

@@ -25,14 +25,12 @@
 #include <vector>
 
 #include "bitmap_kernels.h"
+#include "op_common.h"
 
 namespace leap_sparse {
 namespace {
 
 enum class Isa : int { None = 0, Avx2 = 1, Avx512 = 2 };
-
-constexpr int64_t kTaskWeights = 1 << 15;   // fewest weights (dense count) worth a thread of their own
-constexpr int64_t kTileBytes = 2 << 20;     // dense tile of W decoded per GEMM above kSparseMaxM
 
 Isa best_isa() {
 #if defined(__x86_64__)
@@ -87,16 +85,6 @@ std::string set_isa_op(std::string name) {
   return isa_name(wanted);
 }
 
-DType value_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kBFloat16: return DType::BF16;
-    case at::kHalf: return DType::F16;
-    case at::kFloat: return DType::F32;
-    default: break;
-  }
-  TORCH_CHECK(false, "leap_sparse_cpu::bitmap_linear supports bfloat16, float16 and float32, not ", type);
-}
-
 int64_t popcount_row(const uint8_t* row, int64_t bytes) {
   int64_t count = 0, i = 0;
   for (; i + 8 <= bytes; i += 8) {
@@ -108,30 +96,6 @@ int64_t popcount_row(const uint8_t* row, int64_t bytes) {
   return count;
 }
 
-// bf16 x [m, cols] (rows row_stride elements apart) interleaved by 32-column word as the AVX-512 kernel
-// reads it (Problem::x), zeros past cols.
-void interleave_words(const uint16_t* x, int64_t row_stride, int64_t m, int64_t cols, uint16_t* out) {
-  const int64_t full = cols / 32, tail = cols - 32 * full;
-  for (int64_t i = 0; i < m; ++i) {
-    const uint16_t* row = x + i * row_stride;
-    for (int64_t w = 0; w < full; ++w) std::memcpy(out + (w * m + i) * 32, row + 32 * w, 64);
-    if (tail > 0) {
-      uint16_t* last = out + (full * m + i) * 32;
-      std::memcpy(last, row + 32 * full, tail * 2);
-      std::memset(last + tail, 0, (32 - tail) * 2);
-    }
-  }
-}
-
-// The first row from which every row ends less than kValuePad elements before the end of `values`:
-// the kernels' vector loads past those rows' last values would leave the tensor. Rows end in order, so
-// this walks back from the last row (one or two steps unless rows hold fewer than kValuePad values).
-int64_t first_unpadded_row(const int64_t* offsets, int64_t rows, int64_t n_values) {
-  int64_t row = rows;
-  while (row > 0 && (row < rows ? offsets[row] : n_values) + kValuePad > n_values) --row;
-  return row;
-}
-
 at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                          const at::Tensor& row_offsets, int64_t n_cols,
                          const std::optional<at::Tensor>& bias, bool checked) {
@@ -140,7 +104,7 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   TORCH_CHECK(x.device().is_cpu() && bitmap.device().is_cpu() && values.device().is_cpu() &&
                   row_offsets.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
               "leap_sparse_cpu::bitmap_linear takes CPU tensors");
-  const DType dtype = value_dtype(x.scalar_type());
+  const DType dtype = x_dtype(x.scalar_type(), "leap_sparse_cpu::bitmap_linear", "");
   TORCH_CHECK(values.scalar_type() == x.scalar_type(), "leap_sparse_cpu::bitmap_linear: values are ",
               values.scalar_type(), " but x is ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n_cols, "leap_sparse_cpu::bitmap_linear: x has ",
@@ -155,9 +119,7 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == rows),
               "leap_sparse_cpu::bitmap_linear: bias must have ", rows, " entries");
 
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = rows;
-  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor y = empty_output(x, rows);
   const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
   if (m == 0 || rows == 0) return y;
 
@@ -186,24 +148,15 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
 
   Problem p{};
-  p.dtype = dtype;
+  set_operands(p, dtype, rows, n_cols, m, bias32, y);
   p.bitmap = bits.data_ptr<uint8_t>();
   p.bitmap_stride = stride;
   p.row_offsets = offset;
-  p.rows = rows;
-  p.cols = n_cols;
-  p.m = m;
-  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.y_stride = rows;
 
   // Values of the last rows, with kValuePad zeros after them.
-  const int64_t unpadded = first_unpadded_row(offset, rows, n_values);
+  const int64_t unpadded = first_unpadded_row(offset, rows, n_values, kValuePad);
   const int64_t tail_first = unpadded < rows ? offset[unpadded] : n_values;
-  at::Tensor tail = at::empty({n_values - tail_first + kValuePad}, vals.options());
-  char* tail_data = static_cast<char*>(tail.data_ptr());
-  std::memcpy(tail_data, static_cast<const char*>(vals.data_ptr()) + tail_first * elem, (n_values - tail_first) * elem);
-  std::memset(tail_data + (n_values - tail_first) * elem, 0, kValuePad * elem);
+  const at::Tensor tail = padded_tail(vals, tail_first, kValuePad);
   const Values whole{vals.data_ptr(), 0}, padded{tail.data_ptr(), tail_first};
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / std::max<int64_t>(n_cols, 1));
 
@@ -222,10 +175,8 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
     p.x = packed.data_ptr();
     p.x_stride = padded_cols;
     const auto gemm = isa == Isa::Avx512 ? gemm_rows_avx512 : gemm_rows_avx2;
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      const int64_t split = std::clamp(unpadded, begin, end);
-      if (begin < split) gemm(p, whole, begin, split);
-      if (split < end) gemm(p, padded, split, end);
+    parallel_rows(0, rows, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
+      gemm(p, in_tail ? padded : whole, begin, end);
     });
     return y;
   }
@@ -239,11 +190,8 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   if (bias.has_value()) bias_out = bias->to(y.scalar_type());
   for (int64_t first = 0; first < rows; first += tile_rows) {
     const int64_t last = std::min(rows, first + tile_rows);
-    at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
-      const int64_t split = std::clamp(unpadded, begin, end);
-      const auto out = [&](int64_t row) { return tile_data + (row - first) * padded_cols * elem; };
-      if (begin < split) decode(p, whole, begin, split, out(begin), padded_cols);
-      if (split < end) decode(p, padded, split, end, out(split), padded_cols);
+    parallel_rows(first, last, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
+      decode(p, in_tail ? padded : whole, begin, end, tile_data + (begin - first) * padded_cols * elem, padded_cols);
     });
     const at::Tensor w = tile.narrow(0, 0, last - first).narrow(1, 0, n_cols);
     y2.narrow(1, first, last - first)

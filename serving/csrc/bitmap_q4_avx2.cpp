@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "bitmap_q4_kernels.h"
@@ -45,48 +46,13 @@ constexpr SpreadTables kSpread = make_tables();
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,popcnt,bmi,bmi2")
 
+#include "kernel_common.h"  // compiled for the target above
+
 namespace leap_sparse {
 namespace {
 
 constexpr int kChunkMaxM = 4;  // rows of x per pass over a weight row (16 ymm registers)
 constexpr int kPrefetchBytes = 4096;
-
-inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
-inline uint32_t mask_word(const uint8_t* row, int64_t w) {
-  uint32_t word;
-  std::memcpy(&word, row + 4 * w, 4);
-  return word;
-}
-
-inline int code_bytes(uint32_t mask) { return (_mm_popcnt_u32(mask) + 1) >> 1; }
-
-inline uint16_t round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-template <DType D>
-inline void store(void* y, int64_t index, float value) {
-  if constexpr (D == DType::F32) {
-    static_cast<float*>(y)[index] = value;
-  } else if constexpr (D == DType::BF16) {
-    static_cast<uint16_t*>(y)[index] = round_to_bf16(value);
-  } else {
-    static_cast<uint16_t*>(y)[index] =
-        static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The word's 32 levels (code - 7.5, no scale) as four fp32 vectors of 8 columns, zeros where pruned.
 // Reads at most 20 bytes from `codes` (the 8 bytes from the byte of code 24); kCodePad covers it.
@@ -168,11 +134,7 @@ void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_e
 }  // namespace
 
 void q4_gemm_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
-  }
+  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, c, row_begin, row_end); });
 }
 
 void q4_decode_rows_avx2(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, float* out,

@@ -74,6 +74,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
 
+#include "kernel_avx512.h"  // compiled for the target above
+
 namespace leap_sparse {
 namespace {
 
@@ -93,14 +95,6 @@ alignas(64) constexpr uint16_t kLevels[32] = {
 // vpmultishiftqb control: the low byte of 16-bit lane i of each qword takes bits 4i..4i+7.
 constexpr uint64_t kNibbleShifts = 0x000c000800040000ull;
 
-inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
-inline uint32_t mask_word(const uint8_t* row, int64_t w) {
-  uint32_t word;
-  std::memcpy(&word, row + 4 * w, 4);
-  return word;
-}
-
 struct Decoder {
   __m512i levels, shifts;
   // Explicit: GCC compiles an implicit constructor without this file's target options.
@@ -119,8 +113,6 @@ struct Decoder {
   }
 };
 
-inline int code_bytes(uint32_t mask) { return (_mm_popcnt_u32(mask) + 1) >> 1; }
-
 // bf16 lanes 0..15 / 16..31 as fp32.
 inline __m512 low_ps(__m512i bf) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bf)), 16));
@@ -133,28 +125,6 @@ inline __m512 high_ps(__m512i bf) {
 // broadcast took three (a stand-alone copy of the M = 1 loop measured 10% faster with it).
 inline __m512 scale_of(const uint16_t* scales, int64_t g) {
   return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scales[g])));
-}
-
-// The four sums of four accumulators, for four consecutive outputs (as in bitmap_avx512.cpp).
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const auto half = [](__m512 v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  };
-  return _mm_hadd_ps(_mm_hadd_ps(half(a), half(b)), _mm_hadd_ps(half(c), half(d)));
-}
-
-template <DType D>
-inline void store4(void* y, int64_t index, __m128 sums, int count) {
-  const __mmask8 keep = static_cast<__mmask8>((1u << count) - 1);
-  if constexpr (D == DType::F32) {
-    _mm_mask_storeu_ps(static_cast<float*>(y) + index, keep, sums);
-  } else if constexpr (D == DType::BF16) {
-    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep, (__m128i)_mm_cvtneps_pbh(sums));
-  } else {
-    _mm_mask_storeu_epi16(static_cast<uint16_t*>(y) + index, keep,
-                          _mm_cvtps_ph(sums, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
 }
 
 // Prefetch distances (bytes) per stream for blocks of rows read at once: the same whole number of blocks
@@ -251,13 +221,7 @@ void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, con
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
     }
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
-  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
-  for (int m = 0; m < M; ++m) {
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
-  }
+  store_block<D, M, R>(p.y, p.y_stride, p.bias, row, m0, acc);
 }
 
 // Weight rows per block for M rows of x: two accumulators (group and row) per weight row and row of x,
@@ -438,13 +402,7 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
     }
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
-  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
-  for (int m = 0; m < M; ++m) {
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<DType::BF16>(p.y, m * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
-  }
+  store_block<DType::BF16, M, R>(p.y, p.y_stride, p.bias, row, 0, acc);
 }
 
 template <int M>
@@ -482,11 +440,7 @@ void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_e
 }  // namespace
 
 void q4_gemm_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
-  }
+  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, c, row_begin, row_end); });
 }
 
 void q4_decode_rows_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, float* out,

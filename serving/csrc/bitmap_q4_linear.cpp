@@ -24,12 +24,10 @@
 #include <vector>
 
 #include "bitmap_q4_kernels.h"
+#include "op_common.h"
 
 namespace leap_sparse {
 namespace {
-
-constexpr int64_t kTaskWeights = 1 << 15;  // fewest weights (dense count) worth a thread of their own
-constexpr int64_t kTileBytes = 2 << 20;    // fp32 tile of W decoded per GEMM above kSparseMaxM
 
 enum class Q4Isa { Avx2, Avx512 };
 
@@ -46,16 +44,6 @@ Q4Isa current_q4_isa() {
   TORCH_CHECK(isa != "none" && bmi2, "leap_sparse_cpu::bitmap_q4_linear: this CPU has neither AVX-512 (with "
               "VBMI, VBMI2 and BF16) nor AVX2 with FMA, F16C and BMI2");
   return Q4Isa::Avx2;
-}
-
-DType x_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kBFloat16: return DType::BF16;
-    case at::kHalf: return DType::F16;
-    case at::kFloat: return DType::F32;
-    default: break;
-  }
-  TORCH_CHECK(false, "leap_sparse_cpu::bitmap_q4_linear supports bfloat16, float16 and float32 x, not ", type);
 }
 
 // Bytes of codes of one row: ceil(popcount / 2) per 32-column word.
@@ -90,21 +78,6 @@ int64_t check_layout(const char* op, const at::Tensor& bitmap, const at::Tensor&
   return n_cols / scales.size(1);
 }
 
-// bf16 x [m, cols] (rows row_stride elements apart, cols a multiple of 32) interleaved by 32-column word
-// as the AVX-512 kernel reads it (Q4Problem::x), the layout of bitmap_linear's bf16 x.
-void interleave_words(const uint16_t* x, int64_t row_stride, int64_t m, int64_t cols, uint16_t* out) {
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t w = 0; w < cols / 32; ++w) std::memcpy(out + (w * m + i) * 32, x + i * row_stride + 32 * w, 64);
-}
-
-// The first row from which every row ends less than kCodePad bytes before the end of `codes`: the
-// kernels' loads past those rows' last codes would leave the tensor (see bitmap_linear.cpp).
-int64_t first_unpadded_row(const int32_t* offsets, int64_t rows, int64_t n_codes) {
-  int64_t row = rows;
-  while (row > 0 && (row < rows ? offsets[row] : n_codes) + kCodePad > n_codes) --row;
-  return row;
-}
-
 at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor& row_offsets, int64_t n_cols,
                             const std::optional<at::Tensor>& bias) {
@@ -112,16 +85,14 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
   const Q4Isa isa = current_q4_isa();
   const int64_t group = check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
   TORCH_CHECK(x.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()), kOp, " takes CPU tensors");
-  const DType dtype = x_dtype(x.scalar_type());
+  const DType dtype = x_dtype(x.scalar_type(), kOp, " x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n_cols, kOp, ": x has ", x.dim() >= 1 ? x.size(-1) : 0,
               " features, the weight has ", n_cols, " columns");
   const int64_t rows = bitmap.size(0);
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == rows), kOp, ": bias must have ", rows,
               " entries");
 
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = rows;
-  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor y = empty_output(x, rows);
   const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
   if (m == 0 || rows == 0) return y;
 
@@ -144,27 +115,18 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
   if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
 
   Q4Problem p{};
-  p.dtype = dtype;
+  set_operands(p, dtype, rows, n_cols, m, bias32, y);
   p.bitmap = bits.data_ptr<uint8_t>();
   p.row_offsets = offset;
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   p.groups = scale.size(1);
   p.group_words = group / 32;
-  p.rows = rows;
-  p.cols = n_cols;
-  p.m = m;
-  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.y_stride = rows;
 
-  // Codes of the last rows, with kCodePad zeros after them.
-  const int64_t unpadded = first_unpadded_row(offset, rows, n_codes);
+  // Codes of the last rows, with kCodePad zeros after them (see bitmap_linear.cpp).
+  const int64_t unpadded = first_unpadded_row(offset, rows, n_codes, kCodePad);
   const int64_t tail_first = unpadded < rows ? offset[unpadded] : n_codes;
-  at::Tensor tail = at::empty({n_codes - tail_first + kCodePad}, code.options());
-  uint8_t* tail_data = tail.data_ptr<uint8_t>();
-  std::memcpy(tail_data, code.data_ptr<uint8_t>() + tail_first, n_codes - tail_first);
-  std::memset(tail_data + (n_codes - tail_first), 0, kCodePad);
-  const Codes whole{code.data_ptr<uint8_t>(), 0}, padded{tail_data, tail_first};
+  const at::Tensor tail = padded_tail(code, tail_first, kCodePad);
+  const Codes whole{code.data_ptr<uint8_t>(), 0}, padded{tail.data_ptr<uint8_t>(), tail_first};
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / n_cols);
 
   if (m <= kSparseMaxM) {
@@ -183,10 +145,8 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
     p.x = packed.data_ptr();
     p.x_stride = packed.stride(0);
     const auto gemm = isa == Q4Isa::Avx512 ? q4_gemm_rows_avx512 : q4_gemm_rows_avx2;
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      const int64_t split = std::clamp(unpadded, begin, end);
-      if (begin < split) gemm(p, whole, begin, split);
-      if (split < end) gemm(p, padded, split, end);
+    parallel_rows(0, rows, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
+      gemm(p, in_tail ? padded : whole, begin, end);
     });
     return y;
   }
@@ -205,11 +165,8 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
   at::Tensor y2 = y.view({m, rows});
   for (int64_t first = 0; first < rows; first += tile_rows) {
     const int64_t last = std::min(rows, first + tile_rows);
-    at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
-      const int64_t split = std::clamp(unpadded, begin, end);
-      const auto out = [&](int64_t row) { return tile_data + (row - first) * n_cols; };
-      if (begin < split) decode(p, whole, begin, split, out(begin), n_cols);
-      if (split < end) decode(p, padded, split, end, out(split), n_cols);
+    parallel_rows(first, last, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
+      decode(p, in_tail ? padded : whole, begin, end, tile_data + (begin - first) * n_cols, n_cols);
     });
     at::Tensor w = tile.narrow(0, 0, last - first);
     if (bf16_gemm) w = w.to(at::kBFloat16);

@@ -1,0 +1,108 @@
+// Helpers that the kernel files of both layouts share (bitmap_avx512.cpp, bitmap_avx2.cpp,
+// bitmap_q4_avx512.cpp, bitmap_q4_avx2.cpp): include it after <immintrin.h>, inside the file's
+// `#pragma GCC target` region, so that every function here is compiled for that file's instructions.
+// They use nothing beyond AVX2, FMA, F16C and POPCNT, which both targets enable, and sit in an anonymous
+// namespace: each file keeps its own copy, compiled for its own target (one shared copy, compiled for
+// AVX-512, could otherwise be the one that an AVX2-only CPU calls).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "bitmap_kernels.h"
+
+namespace leap_sparse {
+namespace {
+
+inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// The mask of 32-column word w of a bitmap row: `bytes` (< 4 for the last word of a row whose columns
+// end inside it) read, the rest zero.
+inline uint32_t mask_word(const uint8_t* row, int64_t w, int64_t bytes) {
+  uint32_t word = 0;
+  std::memcpy(&word, row + 4 * w, bytes);
+  return word;
+}
+
+// The same for a row of whole words (the bitmap-q4 layout).
+inline uint32_t mask_word(const uint8_t* row, int64_t w) {
+  uint32_t word;
+  std::memcpy(&word, row + 4 * w, 4);
+  return word;
+}
+
+// Bytes of 4-bit codes of a word of the bitmap-q4 layout: ceil(popcount / 2).
+inline int code_bytes(uint32_t mask) { return (_mm_popcnt_u32(mask) + 1) >> 1; }
+
+inline uint16_t round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// y[index] = value in the output dtype.
+template <DType D>
+inline void store(void* y, int64_t index, float value) {
+  if constexpr (D == DType::F32) {
+    static_cast<float*>(y)[index] = value;
+  } else if constexpr (D == DType::BF16) {
+    static_cast<uint16_t*>(y)[index] = round_to_bf16(value);
+  } else {
+    static_cast<uint16_t*>(y)[index] =
+        static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// The sum of the 8 lanes.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The element type of a dtype's values (bf16 and fp16 as their bits).
+template <DType D>
+struct Traits {
+  using Value = uint16_t;
+};
+template <>
+struct Traits<DType::F32> {
+  using Value = float;
+};
+
+// fn(std::integral_constant<DType, dtype>{}): a run-time dtype to a kernel compiled for it.
+template <typename Fn>
+inline void with_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::BF16: return fn(std::integral_constant<DType, DType::BF16>{});
+    case DType::F16: return fn(std::integral_constant<DType, DType::F16>{});
+    case DType::F32: return fn(std::integral_constant<DType, DType::F32>{});
+  }
+}
+
+// As with_dtype, for decoding 16-bit values, whose bits are copied whatever they mean: fp16 runs the bf16
+// kernel.
+template <typename Fn>
+inline void with_value_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::BF16:
+    case DType::F16: return fn(std::integral_constant<DType, DType::BF16>{});
+    case DType::F32: return fn(std::integral_constant<DType, DType::F32>{});
+  }
+}
+
+// y[:, row_begin:row_end] of a weight without columns: the bias, or zeros.
+template <DType D>
+inline void store_bias(const Problem& p, int64_t row_begin, int64_t row_end) {
+  for (int64_t row = row_begin; row < row_end; ++row)
+    for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
+}
+
+}  // namespace
+}  // namespace leap_sparse

@@ -1,0 +1,101 @@
+// What the two torch ops (bitmap_linear.cpp, bitmap_q4_linear.cpp) share: the dtype of x, the output,
+// the zero-padded copy of the last rows' weights, the split of rows between threads, bf16 x interleaved
+// for the AVX-512 kernels. Plain C++ with ATen, no intrinsics.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "bitmap_kernels.h"
+
+namespace leap_sparse {
+namespace {
+
+constexpr int64_t kTaskWeights = 1 << 15;  // fewest weights (dense count) worth a thread of their own
+constexpr int64_t kTileBytes = 2 << 20;    // tile of W decoded per GEMM above kSparseMaxM
+
+// The kernels' dtype for x of `type`; else an error naming the op (`what`: what the op says it takes).
+inline DType x_dtype(at::ScalarType type, const char* op, const char* what) {
+  switch (type) {
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::F16;
+    case at::kFloat: return DType::F32;
+    default: break;
+  }
+  TORCH_CHECK(false, op, " supports bfloat16, float16 and float32", what, ", not ", type);
+}
+
+// y, x's shape with `rows` features, uninitialised.
+inline at::Tensor empty_output(const at::Tensor& x, int64_t rows) {
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = rows;
+  return at::empty(out_shape, x.options());
+}
+
+// The fields of Operands that do not depend on the layout (x is the kernels' to pack).
+inline void set_operands(Operands& p, DType dtype, int64_t rows, int64_t cols, int64_t m,
+                         const std::optional<at::Tensor>& bias32, at::Tensor& y) {
+  p.dtype = dtype;
+  p.rows = rows;
+  p.cols = cols;
+  p.m = m;
+  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_stride = rows;
+}
+
+// bf16 x [m, cols] (rows row_stride elements apart) interleaved by 32-column word as the AVX-512 kernels
+// read it (Operands::x), zeros past cols.
+inline void interleave_words(const uint16_t* x, int64_t row_stride, int64_t m, int64_t cols, uint16_t* out) {
+  const int64_t full = cols / 32, tail = cols - 32 * full;
+  for (int64_t i = 0; i < m; ++i) {
+    const uint16_t* row = x + i * row_stride;
+    for (int64_t w = 0; w < full; ++w) std::memcpy(out + (w * m + i) * 32, row + 32 * w, 64);
+    if (tail > 0) {
+      uint16_t* last = out + (full * m + i) * 32;
+      std::memcpy(last, row + 32 * full, tail * 2);
+      std::memset(last + tail, 0, (32 - tail) * 2);
+    }
+  }
+}
+
+// The first row from which every row ends less than `pad` elements before the end of the weights (n of
+// them): the kernels' vector loads past those rows' last elements would leave the tensor. Rows end in
+// order, so this walks back from the last row (one or two steps unless rows hold fewer than `pad`).
+template <typename Offset>
+int64_t first_unpadded_row(const Offset* offsets, int64_t rows, int64_t n, int64_t pad) {
+  int64_t row = rows;
+  while (row > 0 && (row < rows ? offsets[row] : n) + pad > n) --row;
+  return row;
+}
+
+// Elements `first`.. of the 1-D contiguous `flat`, with `pad` zeros after them.
+inline at::Tensor padded_tail(const at::Tensor& flat, int64_t first, int64_t pad) {
+  const int64_t n = flat.numel(), elem = flat.element_size();
+  at::Tensor tail = at::empty({n - first + pad}, flat.options());
+  char* data = static_cast<char*>(tail.data_ptr());
+  std::memcpy(data, static_cast<const char*>(flat.data_ptr()) + first * elem, (n - first) * elem);
+  std::memset(data + (n - first) * elem, 0, pad * elem);
+  return tail;
+}
+
+// Rows begin..end over ATen's threads: fn(false, b, e) for rows before `unpadded` (read from the weights),
+// fn(true, b, e) from there on (read from their padded copy).
+template <typename Fn>
+void parallel_rows(int64_t begin, int64_t end, int64_t grain, int64_t unpadded, const Fn& fn) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    const int64_t split = std::clamp(unpadded, b, e);
+    if (b < split) fn(false, b, split);
+    if (split < e) fn(true, split, e);
+  });
+}
+
+}  // namespace
+}  // namespace leap_sparse

@@ -42,6 +42,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -156,34 +157,44 @@ def prompts(tokenizer_dir: Path, count: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(count)]
 
 
+def stream_events(server: Server, body: dict) -> Iterator[dict]:
+    """The events of one streamed completion (`body` asks for a stream), as they arrive."""
+    with post(f"{server.base}/v1/completions", body) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: "):])
+
+
+def has_text(event: dict) -> bool:
+    """Whether a streamed event carries generated text (a token, on the servers benchmarked here)."""
+    return bool(event.get("choices") and event["choices"][0].get("text"))
+
+
 def stream(server: Server, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed greedy completion: timestamps of the request, its first and its last token."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start, first, last, tokens = time.perf_counter(), None, None, 0
-    with post(f"{server.base}/v1/completions", body) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
+    for event in stream_events(server, body):
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        if has_text(event):
+            now = time.perf_counter()
+            first = first or now
+            last = now
     return {"start": start, "first": first, "last": last, "tokens": tokens}
 
 
-def load_phase(server: Server, model: str, texts: list[list[int]], clients: int, rounds: int,
-               max_tokens: int) -> dict:
+def run_clients(clients: int, rounds: int, request: Callable[[int], dict]) -> tuple[list[dict], float]:
+    """`clients` threads each make `rounds` requests, request(i) for i = client * rounds + round: the
+    results and the wall time (s). Raises after all threads end when any request failed."""
     results, errors = [], []
 
     def client(index: int) -> None:
         try:
             for r in range(rounds):
-                results.append(stream(server, model, texts[(index * rounds + r) % len(texts)], max_tokens))
+                results.append(request(index * rounds + r))
         except Exception as exc:  # reported below; a failed request must not hang the run
             errors.append(repr(exc))
 
@@ -196,6 +207,13 @@ def load_phase(server: Server, model: str, texts: list[list[int]], clients: int,
     wall = time.perf_counter() - start
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    return results, wall
+
+
+def load_phase(server: Server, model: str, texts: list[list[int]], clients: int, rounds: int,
+               max_tokens: int) -> dict:
+    results, wall = run_clients(clients, rounds,
+                                lambda i: stream(server, model, texts[i % len(texts)], max_tokens))
     decoding = [r for r in results if r["last"] > r["first"]]
     decode_rate = sum(r["tokens"] - 1 for r in decoding) / sum(r["last"] - r["first"] for r in decoding)
     return {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
@@ -295,6 +313,20 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
                 "layer_memory_line": layer_line, "profile": profile}
 
 
+def settings(args) -> dict:
+    """The run's options (paths as text) and the device, as the results record them."""
+    return {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "device": device_name()}
+
+
+def write_result(out: Path, result: dict, table: str) -> None:
+    """OUT.json (the result) and OUT.md (its table, also printed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     dense, sparse = result["servers"]["dense"], result["servers"]["sparse"]
@@ -367,18 +399,13 @@ def main() -> None:
 
     servers = {"dense": run_server("dense", stock, args, texts, greedy),
                "sparse": run_server("sparse", leapctl_serve, args, texts, greedy)}
-    result = {"settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                           "device": device_name()},
-              "load_before": load_before, "load_after": os.getloadavg()[0], "servers": servers,
+    result = {"settings": settings(args), "load_before": load_before, "load_after": os.getloadavg()[0],
+              "servers": servers,
               "decode_split": decode_split(servers["dense"]["profile"], servers["sparse"]["profile"])
               if args.profile else None,
               "greedy_equal": sum(a == b for a, b in zip(servers["dense"]["answers"],
                                                          servers["sparse"]["answers"], strict=True))}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result) + "\n")
-    print(markdown(result))
+    write_result(Path(args.out), result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -31,15 +31,24 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import competitors  # noqa: E402
-from cpu_kernels import device_name  # noqa: E402
-from serve_cpu import Server, free_port, leapctl, post, prompts  # noqa: E402
+from serve_cpu import (  # noqa: E402
+    Server,
+    free_port,
+    has_text,
+    leapctl,
+    post,
+    prompts,
+    run_clients,
+    settings,
+    stream_events,
+    write_result,
+)
 from transformers import AutoTokenizer  # noqa: E402
 
 from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, server_command  # noqa: E402
@@ -125,15 +134,10 @@ def stream(server: Server, body: dict) -> dict:
     """One streamed completion: timestamps of the request, its first and last token, and its tokens (one
     per chunk with text, which is how both servers stream)."""
     start, first, last, tokens = time.perf_counter(), None, None, 0
-    with post(f"{server.base}/v1/completions", body) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if event.get("choices") and event["choices"][0].get("text"):
-                now = time.perf_counter()
-                first, last, tokens = first or now, now, tokens + 1
+    for event in stream_events(server, body):
+        if has_text(event):
+            now = time.perf_counter()
+            first, last, tokens = first or now, now, tokens + 1
     return {"start": start, "first": first, "last": last, "tokens": tokens}
 
 
@@ -141,25 +145,8 @@ def load_phase(server: Server, kind: str, texts: list, clients: int, rounds: int
     """`clients` threads each stream `rounds` completions: generated tokens over the wall time (prefill
     included); `complete` says whether every request got its tokens (llama-cpp-python's server, one
     request at a time, returned concurrent streams short)."""
-    results, errors = [], []
-
-    def client(index: int) -> None:
-        try:
-            for r in range(rounds):
-                prompt = texts[(index * rounds + r) % len(texts)]
-                results.append(stream(server, request_body(kind, prompt, max_tokens)))
-        except Exception as exc:  # reported below; a failed request must not hang the run
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    results, wall = run_clients(
+        clients, rounds, lambda i: stream(server, request_body(kind, texts[i % len(texts)], max_tokens)))
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
             "output_tok_s": round(tokens / wall, 2), "complete": tokens == len(results) * max_tokens}
@@ -267,14 +254,9 @@ def main() -> None:
         long_prompts = [(p, tokenizer.decode(p)) for p in cut_long]
         results[model] = {name: measure(name, kind, command_for, args, texts, long_prompts)
                           for name, (kind, command_for) in servers.items()}
-    result = {"settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                           "device": device_name()},
-              "load_before": load_before, "load_after": os.getloadavg()[0], "models": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result) + "\n")
-    print(markdown(result))
+    result = {"settings": settings(args), "load_before": load_before, "load_after": os.getloadavg()[0],
+              "models": results}
+    write_result(Path(args.out), result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -210,6 +210,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: Path, meta: dict, rows: list[dict], table: str) -> None:
+    """OUT.json (meta and rows) and OUT.md (the table, also printed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -237,12 +246,7 @@ def main() -> None:
     meta = {"device": args.device, "repeats": args.repeats, "rotate_mib": args.rotate_mib,
             "load_before": load_before, "load_after": os.getloadavg()[0], "torch": torch.__version__,
             "read_bandwidth": bandwidth, "date": time.strftime("%Y-%m-%d %H:%M")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(rows, meta) + "\n")
-    print(markdown(rows, meta))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    write_results(Path(args.out), meta, rows, markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Writes OUT.json (rows and settings) and OUT.md (tables).
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_kernels import device_name, onednn_ops  # noqa: E402
+from cpu_kernels import device_name, onednn_ops, write_results  # noqa: E402
 
 from serving import cpu_kernel  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
@@ -161,10 +160,23 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    lines = markdown_header(meta)
+    for threads in sorted({r["threads"] for r in rows}):
+        subset = [r for r in rows if r["threads"] == threads]
+        tokens = sorted({r["m"] for r in subset})
+        lines += markdown_table(subset, threads, tokens)
+        lines.append("")
+        lines += geometric_means(subset, tokens, meta["group"])
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown_header(meta: dict) -> list[str]:
+    """What was measured, on what, and how busy the machine was."""
     bw = ", ".join(
         f"{t} thread{'s' if int(t) > 1 else ''} {b / 1e9:.1f} GB/s" for t, b in meta["read_bandwidth"].items()
     )
-    lines = [
+    return [
         f"bitmap-q4 op against the bf16 bitmap op and dense bf16 (the faster of F.linear and vLLM's oneDNN "
         f"linear{'' if meta['onednn'] else ', not importable here: F.linear only'}), x in bf16, "
         f"{meta['device']}, "
@@ -179,71 +191,76 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "that / the read bandwidth with the same thread count.",
         "",
     ]
-    for threads in sorted({r["threads"] for r in rows}):
-        subset = [r for r in rows if r["threads"] == threads]
-        tokens = sorted({r["m"] for r in subset})
-        lines += [
-            f"### {threads} thread{'s' if threads > 1 else ''}: time per call (us), q4 / bitmap bf16 / dense "
-            "bf16, and q4's weight read rate at M=1",
-            "",
-            "| model | layer | [n, k] | sparsity | G | q4 B/weight | "
-            + " | ".join(f"M={m} q4 / bitmap / dense" for m in tokens)
-            + " | q4 over bitmap, M=1 | q4 over dense, M=1 | weight GB/s, M=1 | fraction, M=1 |",
-            "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(tokens) + " --- | --- | --- | --- |",
+
+
+def markdown_table(subset: list[dict], threads: int, tokens: list[int]) -> list[str]:
+    """One thread count's table: a line per layer, sparsity and group, a cell per M."""
+    lines = [
+        f"### {threads} thread{'s' if threads > 1 else ''}: time per call (us), q4 / bitmap bf16 / dense "
+        "bf16, and q4's weight read rate at M=1",
+        "",
+        "| model | layer | [n, k] | sparsity | G | q4 B/weight | "
+        + " | ".join(f"M={m} q4 / bitmap / dense" for m in tokens)
+        + " | q4 over bitmap, M=1 | q4 over dense, M=1 | weight GB/s, M=1 | fraction, M=1 |",
+        "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(tokens) + " --- | --- | --- | --- |",
+    ]
+    keys = []
+    for r in subset:
+        key = (r["model"], r["layer"], tuple(r["shape"]), r["sparsity"], r["group"])
+        if key not in keys:
+            keys.append(key)
+    for key in keys:
+        by_m = {
+            r["m"]: r
+            for r in subset
+            if (r["model"], r["layer"], tuple(r["shape"]), r["sparsity"], r["group"]) == key
+        }
+        first = by_m.get(1)
+        model, layer, shape, sparsity, group = key
+        any_r = next(iter(by_m.values()))
+        cells = [
+            f"{by_m[m]['q4_us']:.1f} / {by_m[m]['bitmap_us']:.1f} / {by_m[m]['dense_us']:.1f}"
+            if m in by_m
+            else ""
+            for m in tokens
         ]
-        keys = []
-        for r in subset:
-            key = (r["model"], r["layer"], tuple(r["shape"]), r["sparsity"], r["group"])
-            if key not in keys:
-                keys.append(key)
-        for key in keys:
-            by_m = {
-                r["m"]: r
-                for r in subset
-                if (r["model"], r["layer"], tuple(r["shape"]), r["sparsity"], r["group"]) == key
-            }
-            first = by_m.get(1)
-            model, layer, shape, sparsity, group = key
-            any_r = next(iter(by_m.values()))
-            cells = [
-                f"{by_m[m]['q4_us']:.1f} / {by_m[m]['bitmap_us']:.1f} / {by_m[m]['dense_us']:.1f}"
-                if m in by_m
-                else ""
-                for m in tokens
-            ]
-            tail = (
-                (
-                    f"{first['q4_over_bitmap']:.2f} | {first['q4_over_dense']:.2f} | "
-                    f"{first['weight_gbs']:.1f} | "
-                    f"{first['bandwidth_fraction']:.2f}"
-                )
-                if first
-                else " | | | "
+        tail = (
+            (
+                f"{first['q4_over_bitmap']:.2f} | {first['q4_over_dense']:.2f} | "
+                f"{first['weight_gbs']:.1f} | "
+                f"{first['bandwidth_fraction']:.2f}"
             )
-            lines.append(
-                f"| {model} | {layer} | {list(shape)} | {sparsity:.0%} | {group} | "
-                f"{any_r['q4_bytes'] / (shape[0] * shape[1]):.3f} | " + " | ".join(cells) + f" | {tail} |"
+            if first
+            else " | | | "
+        )
+        lines.append(
+            f"| {model} | {layer} | {list(shape)} | {sparsity:.0%} | {group} | "
+            f"{any_r['q4_bytes'] / (shape[0] * shape[1]):.3f} | " + " | ".join(cells) + f" | {tail} |"
+        )
+    return lines
+
+
+def geometric_means(subset: list[dict], tokens: list[int], group: int) -> list[str]:
+    """A line per sparsity: q4's geometric mean speed over the layers at group size `group`, per M."""
+    lines = []
+    for sparsity in sorted({r["sparsity"] for r in subset}):
+        main = [r for r in subset if r["sparsity"] == sparsity and r["group"] == group]
+        if not main:
+            continue
+        geo = {
+            m: (
+                math.exp(statistics.fmean(math.log(r["q4_over_bitmap"]) for r in main if r["m"] == m)),
+                math.exp(statistics.fmean(math.log(r["q4_over_dense"]) for r in main if r["m"] == m)),
             )
-        lines.append("")
-        for sparsity in sorted({r["sparsity"] for r in subset}):
-            main = [r for r in subset if r["sparsity"] == sparsity and r["group"] == meta["group"]]
-            if not main:
-                continue
-            geo = {
-                m: (
-                    math.exp(statistics.fmean(math.log(r["q4_over_bitmap"]) for r in main if r["m"] == m)),
-                    math.exp(statistics.fmean(math.log(r["q4_over_dense"]) for r in main if r["m"] == m)),
-                )
-                for m in tokens
-                if any(r["m"] == m for r in main)
-            }
-            lines.append(
-                f"Geometric means over the layers, {sparsity:.0%}, G={meta['group']}: "
-                + "; ".join(f"M={m} q4 {b:.2f}x bitmap, {d:.2f}x dense" for m, (b, d) in geo.items())
-                + "."
-            )
-        lines.append("")
-    return "\n".join(lines)
+            for m in tokens
+            if any(r["m"] == m for r in main)
+        }
+        lines.append(
+            f"Geometric means over the layers, {sparsity:.0%}, G={group}: "
+            + "; ".join(f"M={m} q4 {b:.2f}x bitmap, {d:.2f}x dense" for m, (b, d) in geo.items())
+            + "."
+        )
+    return lines
 
 
 def main() -> None:
@@ -303,12 +320,7 @@ def main() -> None:
         "read_bandwidth": {str(t): b for t, b in bandwidth.items()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(rows, meta) + "\n")
-    print(markdown(rows, meta))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    write_results(Path(args.out), meta, rows, markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -76,16 +76,19 @@ def onednn_ops():
     return ops.create_onednn_mm, ops.onednn_mm
 
 
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s that torch.sum reads from a buffer far larger than the L3, with `threads` threads."""
+def read_bandwidth(threads: int, read_bytes: int = READ_BYTES, warm_up: bool = False) -> float:
+    """Bytes/s that torch.sum reads from a buffer far larger than the L3 (`read_bytes` of fp32), with
+    `threads` threads; the median of 7 sums (after one more, untimed, with `warm_up`)."""
     torch.set_num_threads(threads)
-    buffer = torch.ones(READ_BYTES // 4)
+    buffer = torch.ones(read_bytes // 4)
+    if warm_up:
+        buffer.sum()
     times = []
     for _ in range(7):
         start = time.perf_counter()
         buffer.sum()
         times.append(time.perf_counter() - start)
-    return READ_BYTES / statistics.median(times)
+    return read_bytes / statistics.median(times)
 
 
 def make_weights(n: int, k: int, sparsity: float, dtype: torch.dtype, copies: int, seed: int):

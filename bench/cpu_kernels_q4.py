@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_kernels import device_name, onednn_ops, write_results  # noqa: E402
+from cpu_kernels import device_name, onednn_ops, read_bandwidth, write_results  # noqa: E402
 
 from serving import cpu_kernel  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
@@ -47,19 +47,6 @@ LAYERS = {  # model -> {projection: [n, k]}
     "Llama-3.2-1B": {"q/o": (2048, 2048), "k/v": (512, 2048), "gate/up": (8192, 2048), "down": (2048, 8192)},
 }
 READ_BYTES = 1 << 30
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s that torch.sum reads from a 1 GiB fp32 tensor with `threads` threads."""
-    torch.set_num_threads(threads)
-    buffer = torch.ones(READ_BYTES // 4)
-    buffer.sum()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return READ_BYTES / statistics.median(times)
 
 
 def nbytes(tensors) -> int:
@@ -288,7 +275,7 @@ def main() -> None:
     if onednn is None:
         print("note: vLLM's oneDNN ops are not importable; the dense baseline is F.linear only")
     load_before = os.getloadavg()[0]
-    bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
+    bandwidth = {t: read_bandwidth(t, READ_BYTES, warm_up=True) for t in sorted({1, *args.threads})}
     print(
         "read bandwidth: " + ", ".join(f"{t} thr {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()),
         flush=True,

@@ -267,7 +267,8 @@ void gemm_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_e
 
 void decode_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                       int64_t out_stride) {
-  with_value_dtype(p.dtype, [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
+  with_value_dtype(p.dtype,
+                   [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
 }
 
 // x [m, cols] (rows x_row_stride elements apart, in dtype) widened to fp32 rows of out_stride, zero past

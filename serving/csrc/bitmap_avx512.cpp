@@ -456,7 +456,8 @@ void gemm_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row
 
 void decode_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                         int64_t out_stride) {
-  with_value_dtype(p.dtype, [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
+  with_value_dtype(p.dtype,
+                   [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
 }
 
 }  // namespace leap_sparse

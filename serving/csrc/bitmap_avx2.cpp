@@ -6,7 +6,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 
 #include "bitmap_kernels.h"
@@ -221,7 +220,11 @@ template <DType D>
 void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
   using Value = typename Traits<D>::Value;
   const Value* base = static_cast<const Value*>(values.base) - values.first;
-  if (p.cols == 0) return store_bias<D>(p, row_begin, row_end);
+  if (p.cols == 0) {
+    for (int64_t row = row_begin; row < row_end; ++row)
+      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
+    return;
+  }
   switch (p.m <= kDirectMaxM ? p.m : 0) {
     case 1: return rows_direct<D, 1>(p, base, row_begin, row_end);
     case 2: return rows_direct<D, 2>(p, base, row_begin, row_end);
@@ -262,13 +265,20 @@ void decode_rows(const Problem& p, Values values, int64_t row_begin, int64_t row
 }  // namespace
 
 void gemm_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end) {
-  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, v, row_begin, row_end); });
+  switch (p.dtype) {
+    case DType::BF16: return gemm_rows<DType::BF16>(p, v, row_begin, row_end);
+    case DType::F16: return gemm_rows<DType::F16>(p, v, row_begin, row_end);
+    case DType::F32: return gemm_rows<DType::F32>(p, v, row_begin, row_end);
+  }
 }
 
 void decode_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                       int64_t out_stride) {
-  with_value_dtype(p.dtype,
-                   [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
+  switch (p.dtype) {
+    case DType::BF16:
+    case DType::F16: return decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);
+    case DType::F32: return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
+  }
 }
 
 // x [m, cols] (rows x_row_stride elements apart, in dtype) widened to fp32 rows of out_stride, zero past

@@ -214,7 +214,13 @@ void block_direct(const Problem& p, const typename Traits<D>::Value* base, int64
     for (int64_t w = 0; w < full; ++w) step(w, 4);
   }
   if (tail_bytes > 0) step(full, tail_bytes);
-  store_block<D, M, R>(p.y, p.y_stride, p.bias, row, m0, acc);
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
+  for (int m = 0; m < M; ++m) {
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+  }
 }
 
 // All rows of x in one chunk: blocks of R weight rows (single rows at the end of the range), the block
@@ -405,7 +411,11 @@ template <DType D>
 void gemm_rows(const Problem& p, Values values, int64_t row_begin, int64_t row_end) {
   using Value = typename Traits<D>::Value;
   const Value* base = static_cast<const Value*>(values.base) - values.first;
-  if (p.cols == 0) return store_bias<D>(p, row_begin, row_end);
+  if (p.cols == 0) {
+    for (int64_t row = row_begin; row < row_end; ++row)
+      for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
+    return;
+  }
   if constexpr (D == DType::BF16) {
     if (p.m <= kWideChunkM) return Direct<D, 4, 1, kWideChunkM>::rows[p.m - 1](p, base, row_begin, row_end);
     if (p.m <= kChunkMaxM) {
@@ -451,13 +461,20 @@ void decode_rows(const Problem& p, Values values, int64_t row_begin, int64_t row
 }  // namespace
 
 void gemm_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end) {
-  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, v, row_begin, row_end); });
+  switch (p.dtype) {
+    case DType::BF16: return gemm_rows<DType::BF16>(p, v, row_begin, row_end);
+    case DType::F16: return gemm_rows<DType::F16>(p, v, row_begin, row_end);
+    case DType::F32: return gemm_rows<DType::F32>(p, v, row_begin, row_end);
+  }
 }
 
 void decode_rows_avx512(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                         int64_t out_stride) {
-  with_value_dtype(p.dtype,
-                   [&](auto d) { decode_rows<decltype(d)::value>(p, v, row_begin, row_end, out, out_stride); });
+  switch (p.dtype) {
+    case DType::BF16:
+    case DType::F16: return decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);
+    case DType::F32: return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
+  }
 }
 
 }  // namespace leap_sparse

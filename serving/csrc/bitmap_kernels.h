@@ -24,13 +24,15 @@ constexpr int64_t kValuePad = 64;
 // 0.74-0.81x, at 64 the decoded tiles were ahead (0.78-0.82x against 0.52-0.80x).
 constexpr int64_t kSparseMaxM = 40;
 
-// What the kernels of both layouts (this one and bitmap_q4_kernels.h's) are given besides the weight.
-struct Operands {
-  DType dtype;  // of x and y (and of the values, in this layout)
+struct Problem {
+  DType dtype;                 // of values, x and y
+  const uint8_t* bitmap;       // [rows, bitmap_stride]
+  int64_t bitmap_stride;       // ceil(cols / 8)
+  const int64_t* row_offsets;  // [rows], index of each row's first value
   int64_t rows;
   int64_t cols;
   // x as the op packs it, zeros past cols up to a whole 32-column word. fp32: m rows of x_stride
-  // elements (a multiple of 32). bf16 when x_is_bf16 (the AVX-512 kernels multiply bf16 pairs):
+  // elements (a multiple of 32). bf16 when x_is_bf16 (the AVX-512 kernel multiplies bf16 pairs):
   // interleaved by word, word w of row i at element (w * m + i) * 32, so one pointer walks a word of
   // every row; x_stride is then unused.
   const void* x;
@@ -40,12 +42,6 @@ struct Operands {
   const float* bias;  // [rows] in fp32, or nullptr
   void* y;            // [m, y_stride] of dtype
   int64_t y_stride;
-};
-
-struct Problem : Operands {
-  const uint8_t* bitmap;       // [rows, bitmap_stride]
-  int64_t bitmap_stride;       // ceil(cols / 8)
-  const int64_t* row_offsets;  // [rows], index of each row's first value
 };
 
 // Where a range of rows finds its values: row r's first value is element row_offsets[r] - first of

@@ -221,7 +221,13 @@ void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, con
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
     }
   }
-  store_block<D, M, R>(p.y, p.y_stride, p.bias, row, m0, acc);
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
+  for (int m = 0; m < M; ++m) {
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+  }
 }
 
 // Weight rows per block for M rows of x: two accumulators (group and row) per weight row and row of x,
@@ -402,7 +408,13 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
     }
   }
-  store_block<DType::BF16, M, R>(p.y, p.y_stride, p.bias, row, 0, acc);
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
+  for (int m = 0; m < M; ++m) {
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<DType::BF16>(p.y, m * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+  }
 }
 
 template <int M>
@@ -440,7 +452,11 @@ void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_e
 }  // namespace
 
 void q4_gemm_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
-  with_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, c, row_begin, row_end); });
+  switch (p.dtype) {
+    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
+    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
+    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
+  }
 }
 
 void q4_decode_rows_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, float* out,

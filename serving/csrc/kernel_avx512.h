@@ -32,19 +32,5 @@ inline void store4(void* y, int64_t index, __m128 sums, int count) {
   }
 }
 
-// The end of a block of R (<= 4) output rows from `row` for rows m0 .. m0 + M of x: acc[r][m] summed,
-// plus the bias, into y (rows y_stride apart).
-template <DType D, int M, int R>
-__attribute__((always_inline)) inline void store_block(void* y, int64_t y_stride, const float* bias_of_rows,
-                                                       int64_t row, int64_t m0, const __m512 (&acc)[R][M]) {
-  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
-  const __m128 bias = bias_of_rows == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, bias_of_rows + row);
-  for (int m = 0; m < M; ++m) {
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<D>(y, (m0 + m) * y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
-  }
-}
-
 }  // namespace
 }  // namespace leap_sparse

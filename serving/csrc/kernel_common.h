@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "bitmap_kernels.h"
 
@@ -75,34 +74,6 @@ template <>
 struct Traits<DType::F32> {
   using Value = float;
 };
-
-// fn(std::integral_constant<DType, dtype>{}): a run-time dtype to a kernel compiled for it.
-template <typename Fn>
-inline void with_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::BF16: return fn(std::integral_constant<DType, DType::BF16>{});
-    case DType::F16: return fn(std::integral_constant<DType, DType::F16>{});
-    case DType::F32: return fn(std::integral_constant<DType, DType::F32>{});
-  }
-}
-
-// As with_dtype, for decoding 16-bit values, whose bits are copied whatever they mean: fp16 runs the bf16
-// kernel.
-template <typename Fn>
-inline void with_value_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::BF16:
-    case DType::F16: return fn(std::integral_constant<DType, DType::BF16>{});
-    case DType::F32: return fn(std::integral_constant<DType, DType::F32>{});
-  }
-}
-
-// y[:, row_begin:row_end] of a weight without columns: the bias, or zeros.
-template <DType D>
-inline void store_bias(const Problem& p, int64_t row_begin, int64_t row_end) {
-  for (int64_t row = row_begin; row < row_end; ++row)
-    for (int64_t m = 0; m < p.m; ++m) store<D>(p.y, m * p.y_stride + row, p.bias ? p.bias[row] : 0.0f);
-}
 
 }  // namespace
 }  // namespace leap_sparse

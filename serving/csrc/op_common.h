@@ -39,9 +39,10 @@ inline at::Tensor empty_output(const at::Tensor& x, int64_t rows) {
   return at::empty(out_shape, x.options());
 }
 
-// The fields of Operands that do not depend on the layout (x is the kernels' to pack).
-inline void set_operands(Operands& p, DType dtype, int64_t rows, int64_t cols, int64_t m,
-                         const std::optional<at::Tensor>& bias32, at::Tensor& y) {
+// The fields that Problem and Q4Problem share, but for x (packed by each op).
+template <typename P>
+void set_operands(P& p, DType dtype, int64_t rows, int64_t cols, int64_t m, const std::optional<at::Tensor>& bias32,
+                  at::Tensor& y) {
   p.dtype = dtype;
   p.rows = rows;
   p.cols = cols;
@@ -52,7 +53,7 @@ inline void set_operands(Operands& p, DType dtype, int64_t rows, int64_t cols, i
 }
 
 // bf16 x [m, cols] (rows row_stride elements apart) interleaved by 32-column word as the AVX-512 kernels
-// read it (Operands::x), zeros past cols.
+// read it (Problem::x, Q4Problem::x), zeros past cols.
 inline void interleave_words(const uint16_t* x, int64_t row_stride, int64_t m, int64_t cols, uint16_t* out) {
   const int64_t full = cols / 32, tail = cols - 32 * full;
   for (int64_t i = 0; i < m; ++i) {

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from leapctl.paths import assets_dir
+from serving import cpu_kernel
 
 ASSETS = assets_dir()
 
@@ -28,6 +29,25 @@ def one_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=cpu_kernel.ISAS)
+def isa(request, op):
+    """Each instruction set of the native CPU kernel in turn (skipped where this CPU cannot run it), for
+    the tests of a module that defines the `op` fixture (which loads the kernel)."""
+    if request.param not in cpu_kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    with cpu_kernel.using_isa(request.param) as active:
+        yield active
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's thread count set to 1, then 2; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
     torch.set_num_threads(before)
 
 

@@ -5,19 +5,16 @@ above),
 odd column counts, empty and full rows, and tensor-parallel slices of a weight."""
 
 import os
-import platform
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from kernel_helpers import REPO, X86_ONLY, assert_opaque_under_compile, assert_threads_agree, run_python
 
 from serving import cpu_kernel
 from serving.sparse_linear import BitmapWeight
 
-pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                                reason="the native kernel is built for x86-64 only")
+pytestmark = X86_ONLY
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
@@ -32,22 +29,6 @@ DENSITIES = [0.0, 0.1, 0.5, 0.9, 1.0]
 def op():
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()  # an x86-64 machine with g++ must build it
     return torch.ops.leap_sparse_cpu.bitmap_linear
-
-
-@pytest.fixture(params=cpu_kernel.ISAS)
-def isa(request, op):
-    if request.param not in cpu_kernel.supported_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernel")
-    with cpu_kernel.using_isa(request.param) as active:
-        yield active
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def sparse_weight(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int = 0,
@@ -116,16 +97,7 @@ def test_small_integers_give_exact_results(op, isa, dtype, m):
 def test_thread_count_does_not_change_the_result(op, isa):
     """Each output is summed by one thread in a fixed order, so 1 and 2 threads agree exactly."""
     dense, weight = sparse_weight(301, 577, 0.4, torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        for m in (1, 4, 8, 16, 20, 40, 48):
-            x = torch.randn(m, 577).to(torch.bfloat16)
-            torch.set_num_threads(1)
-            one = call(op, x, weight)
-            torch.set_num_threads(2)
-            assert torch.equal(call(op, x, weight), one), m
-    finally:
-        torch.set_num_threads(before)
+    assert_threads_agree(lambda x: call(op, x, weight), 577, (1, 4, 8, 16, 20, 40, 48))
 
 
 def test_the_library_splits_rows_over_torchs_openmp_threads(op):
@@ -237,23 +209,7 @@ def test_checked_weights_skip_the_per_call_check(op, isa):
 def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
     dense, weight = sparse_weight(12, 30, 0.4, torch.float32)
     args = (torch.randn(4, 30), weight.bitmap, weight.values, weight.row_offsets, 30, torch.randn(12))
-    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-
-    def layer(x):
-        return torch.relu(call(op, x, weight))
-
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
-    for m in (3, 5):
-        x = torch.randn(m, 30)
-        torch.testing.assert_close(compiled(x), torch.relu(x @ dense.T))
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO, **env}, timeout=300)
+    assert_opaque_under_compile(op, args, lambda x: call(op, x, weight), dense)
 
 
 def test_environment_variable_chooses_the_kernel(op):

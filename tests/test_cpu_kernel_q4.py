@@ -5,19 +5,14 @@ on every instruction-set path this CPU runs, x in bf16, fp16 and fp32, 1 and 2 t
 that are not a multiple of the kernels' blocks, densities 0, 0.5 and 1, tensor-parallel row slices, and
 reads that must stay inside the codes tensor (a guard page after it)."""
 
-import os
-import platform
-import subprocess
-import sys
-
 import pytest
 import torch
+from kernel_helpers import X86_ONLY, assert_opaque_under_compile, assert_threads_agree, run_python
 
 from serving import cpu_kernel
 from sparse_formats import get_format
 
-pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                                reason="the native kernel is built for x86-64 only")
+pytestmark = X86_ONLY
 
 FMT = get_format("bitmap-q4")
 XDTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -35,22 +30,6 @@ MS = [*range(1, 18), 24, 40, 41, 64]
 def op():
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()  # an x86-64 machine with g++ must build it
     return torch.ops.leap_sparse_cpu.bitmap_q4_linear
-
-
-@pytest.fixture(params=cpu_kernel.ISAS)
-def isa(request, op):
-    if request.param not in cpu_kernel.supported_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernel")
-    with cpu_kernel.using_isa(request.param) as active:
-        yield active
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def encoded(rows: int, cols: int, density: float, group: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -139,16 +118,7 @@ def test_small_integers_give_exact_results(op, isa, one_thread, xdtype, m):
 def test_thread_count_does_not_change_the_result(op, isa):
     """Each output is summed by one thread in a fixed order, so 1 and 2 threads agree exactly."""
     t = encoded(301, 576, 0.4)
-    before = torch.get_num_threads()
-    try:
-        for m in (1, 2, 3, 4, 8, 16, 20, 40, 48):
-            x = torch.randn(m, 576).to(torch.bfloat16)
-            torch.set_num_threads(1)
-            one = call(op, x, t)
-            torch.set_num_threads(2)
-            assert torch.equal(call(op, x, t), one), m
-    finally:
-        torch.set_num_threads(before)
+    assert_threads_agree(lambda x: call(op, x, t), 576, (1, 2, 3, 4, 8, 16, 20, 40, 48))
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -254,15 +224,7 @@ def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
     t = encoded(12, 64, 0.4)
     dense = FMT.decode(t)
     args = (torch.randn(4, 64), t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 64, torch.randn(12))
-    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-
-    def layer(x):
-        return torch.relu(call(op, x, t))
-
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
-    for m in (3, 5):
-        x = torch.randn(m, 64)
-        torch.testing.assert_close(compiled(x), torch.relu(x @ dense.T))
+    assert_opaque_under_compile(op, args, lambda x: call(op, x, t), dense)
 
 
 # Run in a child process: a read past the end of the codes is a segmentation fault there, not here.
@@ -296,7 +258,5 @@ print("inside")
 
 def test_reads_stay_inside_the_codes_tensor(op, isa):
     """The codes end right before an inaccessible page: a load past their end kills the child process."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", GUARD_PAGE, isa], capture_output=True, text=True, cwd=repo,
-                          env={**os.environ, "PYTHONPATH": repo}, timeout=300)
+    done = run_python(GUARD_PAGE, isa)
     assert done.returncode == 0 and done.stdout.strip() == "inside", done.stderr[-2000:]

@@ -1,0 +1,52 @@
+"""What the tests of the native CPU ops (test_cpu_kernel.py, test_cpu_kernel_q4.py) share besides the
+`isa` and `threads` fixtures of conftest.py: the x86-64 mark, a child Python process, and the checks both
+ops pass alike (thread count, torch.compile)."""
+
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+
+X86_ONLY = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                              reason="the native kernel is built for x86-64 only")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -c code args...` in the repository, with its PYTHONPATH and `env` added."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, **env}, timeout=300)
+
+
+def assert_threads_agree(multiply: Callable[[torch.Tensor], torch.Tensor], cols: int,
+                         ms: Iterable[int]) -> None:
+    """multiply(x) for bf16 x of each M in `ms` gives the same result on 1 and 2 threads, exactly."""
+    before = torch.get_num_threads()
+    try:
+        for m in ms:
+            x = torch.randn(m, cols).to(torch.bfloat16)
+            torch.set_num_threads(1)
+            one = multiply(x)
+            torch.set_num_threads(2)
+            assert torch.equal(multiply(x), one), m
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_opaque_under_compile(op, args: tuple, multiply: Callable[[torch.Tensor], torch.Tensor],
+                                dense: torch.Tensor) -> None:
+    """The op's schema and fake pass torch's opcheck (args: one call's arguments), and relu(multiply(x))
+    compiled with a dynamic M in one graph matches relu(x @ dense^T)."""
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+    def layer(x):
+        return torch.relu(multiply(x))
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (3, 5):
+        x = torch.randn(m, dense.shape[1])
+        torch.testing.assert_close(compiled(x), torch.relu(x @ dense.T))

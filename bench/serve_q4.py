@@ -177,8 +177,9 @@ def measure(name: str, kind: str, command_for, args, texts: list, long_prompts: 
     log = args.work / f"{name}.log"
     print(f"starting {name} (log {log})", flush=True)
     server = Server(command_for(port), log, port, health="/v1/models")
-    try:
-        start_s = server.wait_ready()
+    started = time.monotonic()
+    with server.running():
+        start_s = time.monotonic() - started
         stream(server, request_body(kind, texts[-1], 4))  # warm-up
         decode = one_stream_decode(server, kind, texts, args.rounds, args.max_tokens)
         print(f"  {name}: one sequence {decode:.1f} tok/s", flush=True)
@@ -192,8 +193,6 @@ def measure(name: str, kind: str, command_for, args, texts: list, long_prompts: 
         time.sleep(1.5)
         return {"start_s": round(start_s, 1), "decode_tok_s": round(decode, 2), "phases": phases,
                 "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(server.peak_rss / 2**20)}
-    finally:
-        server.stop()
 
 
 def markdown(result: dict) -> str:

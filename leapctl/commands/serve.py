@@ -236,9 +236,9 @@ def _child_listens(process: subprocess.Popen, port: int) -> bool:
     return False
 
 
-def _ready(process: subprocess.Popen, base: str, port: int) -> bool:
-    """Our own child holds the port and answers /health."""
-    return _child_listens(process, port) and _healthy(f"{base}/health")
+def _ready(process: subprocess.Popen, base: str, port: int, health_path: str = "/health") -> bool:
+    """Our own child holds the port and answers `health_path`."""
+    return _child_listens(process, port) and _healthy(f"{base}{health_path}")
 
 
 def _healthy(url: str) -> bool:
@@ -329,15 +329,16 @@ def running_server(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, 
 @contextmanager
 def running_command(command: list[str], port: int, env: dict[str, str] | None = None, host: str = "127.0.0.1",
                     log_file: IO | None = None, cwd: Path | None = None, ready_timeout_s: float = 900,
-                    grace_s: float = 30) -> Iterator[subprocess.Popen]:
-    """Any vLLM API server command line (`server_command`'s, or stock vLLM's for bench) as `leapctl serve`
-    runs it: in its own process group, ready once our own child listens on `port` and answers /health;
-    yields the process; on exit stops the whole group. `env` defaults to `server_env(1)`."""
+                    grace_s: float = 30, health_path: str = "/health") -> Iterator[subprocess.Popen]:
+    """Any API server command line (`server_command`'s, or another server's for bench) as `leapctl serve`
+    runs it: in its own process group, ready once our own child listens on `port` and answers
+    `health_path` (vLLM's /health; bench's llama.cpp server has only /v1/models); yields the process; on
+    exit stops the whole group. `env` defaults to `server_env(1)`."""
     process = _start(command, env if env is not None else server_env(1), log_file, cwd)
     base = _local_base(host, port)
     try:
         deadline = time.monotonic() + ready_timeout_s
-        while not _ready(process, base, port):
+        while not _ready(process, base, port, health_path):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise _not_ready(process, ready_timeout_s, grace_s)
             time.sleep(0.5)

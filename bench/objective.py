@@ -15,8 +15,8 @@ quality.py's budget (200 steps x 8 x 128), scored on the TinyStories excerpt; Sp
 calibration windows as the bar the defaults must beat (<= 0.67x its perplexity).
 
 The objective is `LearnConfig.distill` d: the loss is (1 - d) * LM + d * KL(dense || masked).
-Results: bench/results/objective_<model>.{json,md}, rewritten after every row; rows not run this time are
-kept from the last file."""
+Results: bench/results/objective_<model>.{json,md}, rewritten after every row; rows not run this time (the
+dense and baseline rows included) are kept from the last file when its settings are this run's."""
 
 import argparse
 import copy
@@ -185,7 +185,9 @@ def run_model(setup: Setup, variants: list[str], sparsity: float, task_limit: in
         print(f"{setup.name} {row['mask']}: {row['ppl']} {row.get('zeroshot', '')} {row.get('answer', '')}",
               flush=True)
 
-    add({"mask": "dense", **_measure(dense, tokenizer, setup, eval_ids, task_limit)})
+    measured = {r["mask"] for r in rows}  # the dense and baseline rows are kept from the last file alike
+    if "dense" not in measured:
+        add({"mask": "dense", **_measure(dense, tokenizer, setup, eval_ids, task_limit)})
     n, seq = setup.wanda_windows
     calib_ids = calibration_batch(setup.calib, tokenizer, n, seq, 0, model=dense)
     start = None
@@ -193,7 +195,8 @@ def run_model(setup: Setup, variants: list[str], sparsity: float, task_limit: in
         model = copy.deepcopy(dense)
         masks = METHODS[method].run(model, tokenizer, calib_ids, sparsity, progress=False)
         start = masks if method == "wanda" else start
-        add({"mask": method, **_measure(model, tokenizer, setup, eval_ids, task_limit)})
+        if method not in measured:
+            add({"mask": method, **_measure(model, tokenizer, setup, eval_ids, task_limit)})
     for name in variants:
         model = copy.deepcopy(dense)
         config = LearnConfig(model=setup.name, sparsity=sparsity, calib=setup.calib, nsamples=n,

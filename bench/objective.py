@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from leapctl.data import WIKI_SUMMARIES_HELDOUT, calibration_batch, load_documents
-from leapctl.eval.perplexity import DOCUMENT_SEPARATOR, document_ids, read_wikitext, split_documents
+from leapctl.eval.perplexity import ids_perplexity, read_wikitext, text_ids
 from leapctl.learn import LearnConfig, leap_masks
 from leapctl.models import load_model
 from leapctl.paths import assets_dir
@@ -51,26 +51,19 @@ def _asset(relative: str) -> Path:
     return root / relative
 
 
-def _text_ids(tokenizer, text: str) -> torch.Tensor:
-    """The token stream `leapctl eval --ppl` scores (`<|endoftext|>`-separated documents each led by BOS)."""
-    if DOCUMENT_SEPARATOR in text:
-        return torch.cat([document_ids(tokenizer, doc) for doc in split_documents(text)])
-    return tokenizer(text, return_tensors="pt").input_ids[0]
-
-
 def _wikitext_windows(count: int, seq_len: int) -> Callable[[object], torch.Tensor]:
     def ids(tokenizer) -> torch.Tensor:
         text = read_wikitext(_asset("wikitext-2-raw/wiki.test.lf.raw"))
-        return _text_ids(tokenizer, text)[: count * seq_len]
+        return text_ids(tokenizer, text)[: count * seq_len]
     return ids
 
 
 def _heldout(tokenizer) -> torch.Tensor:
-    return _text_ids(tokenizer, "\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)))
+    return text_ids(tokenizer, "\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)))
 
 
 def _tinystories(tokenizer) -> torch.Tensor:
-    return _text_ids(tokenizer, _asset("tinystories/valid_excerpt.txt").read_text())
+    return text_ids(tokenizer, _asset("tinystories/valid_excerpt.txt").read_text())
 
 
 @dataclass(frozen=True)
@@ -101,17 +94,6 @@ SETUPS = {
 }
 
 
-def _windows_ppl(model, ids: torch.Tensor, seq_len: int) -> float:
-    """Perplexity over the non-overlapping `seq_len` windows of `ids` (the last partial window dropped)."""
-    windows = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
-    total = 0.0
-    with torch.no_grad():
-        for window in windows:
-            logits = model(input_ids=window[None], use_cache=False).logits[0, :-1].float()
-            total += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
-    return float(torch.exp(torch.tensor(total / (windows.shape[0] * (seq_len - 1)))))
-
-
 def _answer(model, tokenizer) -> str:
     messages = [{"role": "user", "content": QUESTION}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -125,7 +107,8 @@ def _measure(model, tokenizer, setup: Setup, eval_ids: dict, task_limit: int) ->
     from leapctl.eval import zero_shot
 
     started = time.perf_counter()
-    row = {"ppl": {name: _windows_ppl(model, ids, setup.eval_seq_len) for name, ids in eval_ids.items()}}
+    row = {"ppl": {name: ids_perplexity(model, ids, setup.eval_seq_len, progress=False)
+                   for name, ids in eval_ids.items()}}
     if setup.tasks:
         scores = zero_shot(model, tokenizer, list(setup.tasks), limit=task_limit)
         row["zeroshot"] = {task: 100 * s.get("acc_norm", s["acc"]) for task, s in scores.items()}

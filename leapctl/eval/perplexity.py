@@ -68,11 +68,15 @@ def windowed_nll(model: torch.nn.Module, tokenizer, text: str, seq_len: int | No
                  device: str | torch.device | None = None, batch_size: int = 1,
                  progress: bool = True) -> tuple[float, int]:
     """Summed NLL (nats) and number of predicted tokens behind `perplexity`."""
+    return ids_nll(model, text_ids(tokenizer, text), seq_len, device, batch_size, progress)
+
+
+def text_ids(tokenizer, text: str) -> torch.Tensor:
+    """The token stream `perplexity` scores: each `<|endoftext|>`-separated document led by its BOS, else
+    the whole text as the tokenizer encodes it."""
     if DOCUMENT_SEPARATOR in text:
-        ids = torch.cat([document_ids(tokenizer, doc) for doc in split_documents(text)])
-    else:
-        ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    return ids_nll(model, ids, seq_len, device, batch_size, progress)
+        return torch.cat([document_ids(tokenizer, doc) for doc in split_documents(text)])
+    return tokenizer(text, return_tensors="pt").input_ids[0]
 
 
 def ids_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq_len: int | None = None,

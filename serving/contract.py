@@ -21,6 +21,11 @@ SERVABLE_FORMATS: dict[str, tuple[str, ...]] = {
 }
 # Keep dense weights at load (prefill-heavy traffic): "1" in the environment, or `decode_dense: true`.
 DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
+# How bitmap-q4 layers multiply decoding steps (up to 8 tokens) on CPU: "int8" quantizes x per weight group
+# (scale max|x| / 127, as llama.cpp's Q8_0 does for its Q4_0 dot products) and multiplies in integers;
+# "bf16" multiplies x as it is. Prefill always multiplies x as it is. The environment wins over the config.
+ACTIVATIONS_ENV = "LEAP_SPARSE_ACTIVATIONS"
+ACTIVATIONS = ("int8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class LeapSparseSettings:
     sparsity: float
     ignore: tuple[str, ...] = ()
     decode_dense: bool = False
+    activations: str = ACTIVATIONS[0]
 
     def to_config(self) -> dict:
         """The `quantization_config` entry of config.json."""
@@ -38,6 +44,8 @@ class LeapSparseSettings:
                   "ignore": list(self.ignore)}
         if self.decode_dense:
             config["decode_dense"] = True
+        if self.activations != ACTIVATIONS[0]:
+            config["activations"] = self.activations
         return config
 
     @classmethod
@@ -48,8 +56,11 @@ class LeapSparseSettings:
             raise ValueError(f"{QUANT_METHOD}: {problem}")
         environ = os.environ if environ is None else environ
         decode_dense = bool(config.get("decode_dense", False)) or environ.get(DECODE_DENSE_ENV, "0") == "1"
+        activations = environ.get(ACTIVATIONS_ENV) or config.get("activations", ACTIVATIONS[0])
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"{QUANT_METHOD}: activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
         return cls(fmt=config["format"], sparsity=float(config.get("sparsity", 0.0)),
-                   ignore=tuple(config.get("ignore", ())), decode_dense=decode_dense)
+                   ignore=tuple(config.get("ignore", ())), decode_dense=decode_dense, activations=activations)
 
 
 def serving_problem(quantization_config: dict | None) -> str | None:

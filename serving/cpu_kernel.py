@@ -4,9 +4,11 @@ checked=False)`; `checked=True` skips its per-call check of every row offset, fo
 weight once (the vLLM layer does at load).
 
 The op reads the `bitmap` serving layout as stored (no repacking), so tensor-parallel slices and
-`leapctl validate` use the same tensors. It picks its instruction set at run time: AVX-512 (with
-VBMI2's expand and BF16's dot products) where the CPU has it, else AVX2; `LEAP_SPARSE_CPU_ISA=avx2`
-(or `avx512`, `auto`) chooses, which is how the tests cover both paths on one machine.
+`leapctl validate` use the same tensors; so do the bitmap-q4 ops, but for the int8-x op
+`bitmap_q4_i8_linear` (AVX-512 VNNI only), which reads a layout made at load (`serving.q4_linear.Q4Pairs`).
+It picks its instruction set at run time: AVX-512 (with VBMI2's expand and BF16's dot products) where the
+CPU has it, else AVX2; `LEAP_SPARSE_CPU_ISA=avx2` (or `avx512`, `auto`) chooses, which is how the tests
+cover both paths on one machine.
 
 The build (g++ and ninja through `torch.utils.cpp_extension`, about half a minute) happens at most once
 per source version: into `$TORCH_EXTENSIONS_DIR` if set, else `$LEAPCTL_CACHE/torch_extensions` (default
@@ -30,7 +32,7 @@ ISA_ENV = "LEAP_SPARSE_CPU_ISA"
 ISAS = ("avx512", "avx2")  # fastest first
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
-           "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp")
+           "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp", "bitmap_q4_i8_linear.cpp", "bitmap_q4_i8_avx512.cpp")
 HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))  # every header is in the build's hash
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.
@@ -123,10 +125,20 @@ def _register_fake() -> None:
     def _q4(x, bitmap, codes, scales, row_offsets, n_cols, bias=None):
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
+    @torch.library.register_fake("leap_sparse_cpu::bitmap_q4_i8_linear")
+    def _q4_i8(x, masks, codes, block_offsets, scales, n_cols, bias=None):
+        return x.new_empty((*x.shape[:-1], scales.shape[0]))
+
 
 def current_isa() -> str:
     """The instruction set the op uses now: 'avx512' or 'avx2' (after a successful `load()`)."""
     return torch.ops.leap_sparse_cpu.isa()
+
+
+def int8_kernel_available() -> bool:
+    """Whether bitmap-q4 layers can multiply int8 x natively (`bitmap_q4_i8_linear`): the op loaded, a CPU
+    with AVX-512 VNNI, VBMI and VBMI2, and the avx512 kernels chosen."""
+    return load() and torch.ops.leap_sparse_cpu.bitmap_q4_i8_available()
 
 
 def supported_isas() -> list[str]:

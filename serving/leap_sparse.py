@@ -60,11 +60,13 @@ class LeapSparseConfig(QuantizationConfig):
         self.fmt = settings.fmt
         self.ignore = list(settings.ignore)
         self.decode_dense = settings.decode_dense
+        self.activations = settings.activations
         self._layers_expected = 0
         self._layers_loaded = 0
         self._bytes_held = 0
         self._dense_bytes = 0
         self._compute = "decoded to dense at load" if self.decode_dense else "compressed"
+        self._compute_int8 = ""
 
     def get_name(self) -> str:
         return QUANT_METHOD
@@ -110,6 +112,17 @@ class LeapSparseConfig(QuantizationConfig):
         self._compute = f"compressed, native CPU kernel ({cpu_kernel.current_isa()})"
         return True
 
+    def int8_activations(self, weight: Q4Weight) -> bool:
+        """Whether a native CPU bitmap-q4 layer multiplies decoding steps with int8 x: asked for
+        (`activations`), groups of whole 64-column pairs, and a CPU with the int8 kernel's instructions
+        (else the layer multiplies bf16 x, and the load summary says so)."""
+        if self.activations != "int8":
+            return False
+        if weight.group_size % 64 or not cpu_kernel.int8_kernel_available():
+            self._compute_int8 = "bf16 x (int8 x needs groups of 64k columns and AVX-512 VNNI, VBMI2)"
+            return False
+        return True
+
     def record_loaded_layer(self, bytes_held: int, dense_bytes: int) -> None:
         """Add one loaded layer; after the last one, log what all of them hold against dense weights."""
         self._layers_loaded += 1
@@ -119,7 +132,12 @@ class LeapSparseConfig(QuantizationConfig):
             logger.info("leap_sparse: %d sparse linear layers hold %d bytes, %.4fx of %d dense bytes "
                         "(format %s, %s)", self._layers_loaded, self._bytes_held,
                         self._bytes_held / max(self._dense_bytes, 1), self._dense_bytes, self.fmt,
-                        self._compute)
+                        self._compute + self._activations_note())
+
+    def _activations_note(self) -> str:
+        if self.fmt != "bitmap-q4" or self.decode_dense or "native" not in self._compute:
+            return ""
+        return f", decoding steps with {self._compute_int8 or self.activations + ' x'}"
 
 
 class LeapSparseLinearMethod(LinearMethodBase):
@@ -185,13 +203,22 @@ class LeapSparseLinearMethod(LinearMethodBase):
 
     def _hold_q4(self, layer: torch.nn.Module, weight: Q4Weight, device: torch.device,
                  dense_bytes: int) -> None:
-        """bitmap-q4 stays as stored: the native CPU op reads it, elsewhere it is decoded per call."""
-        for name, tensor in weight.tensors().items():
-            if name != "shape":
-                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+        """bitmap-q4 stays as stored: the native CPU op reads it, elsewhere it is decoded per call; with
+        int8 activations the native op reads the pair layout made from it here (the stored tensors freed)."""
         layer.leap_n_cols = weight.n_cols
         layer.leap_q4 = True
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
+        layer.leap_pairs = (layer.leap_native and layer.leap_params_dtype in (torch.bfloat16, torch.float32)
+                            and self.config.int8_activations(weight))
+        if layer.leap_pairs:
+            pairs = weight.pairs()
+            for name, tensor in pairs.tensors().items():
+                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+            self.config.record_loaded_layer(pairs.nbytes(), dense_bytes)
+            return
+        for name, tensor in weight.tensors().items():
+            if name != "shape":
+                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
         self.config.record_loaded_layer(weight.nbytes(), dense_bytes)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
@@ -199,6 +226,9 @@ class LeapSparseLinearMethod(LinearMethodBase):
         if self.config.decode_dense:
             return F.linear(x, layer.weight, bias)
         if getattr(layer, "leap_q4", False):
+            if layer.leap_pairs:
+                return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(
+                    x, layer.masks, layer.codes, layer.block_offsets, layer.scales, layer.leap_n_cols, bias)
             native = layer.leap_native and x.dtype in (torch.bfloat16, torch.float32)
             op = torch.ops.leap_sparse_cpu.bitmap_q4_linear if native else bitmap_q4_linear
             return op(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets, layer.leap_n_cols, bias)

@@ -2,8 +2,10 @@
 group) that `leap_sparse` layers hold, and its portable op.
 
 On CPU the layers call the native kernel `torch.ops.leap_sparse_cpu.bitmap_q4_linear` (`serving.cpu_kernel`),
-which reads this layout as stored. `bitmap_q4_linear` below is the portable path (any device, the GPU
-included) and the reference: it decodes the weight per call and runs one dense matmul."""
+which reads this layout as stored, or, with int8 activations (the default where the CPU has AVX-512 VNNI),
+`bitmap_q4_i8_linear` on the pair layout (`Q4Pairs`) made at load. `bitmap_q4_linear` below is the portable
+path (any device, the GPU included) and the reference: it decodes the weight per call and runs one dense
+matmul; `int8_activations` is the reference of how the int8 op rounds x."""
 
 from dataclasses import dataclass
 
@@ -13,6 +15,21 @@ import torch.nn.functional as F
 from sparse_formats import get_format
 
 Q4 = get_format("bitmap-q4")
+# Rows of x (tokens of a step) up to which the int8 op quantizes x (kPairMaxM in bitmap_q4_kernels.h):
+# decoding steps; a longer prefill is multiplied as it is.
+INT8_MAX_ROWS = 8
+
+
+def int8_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x in fp32 as the int8 op multiplies it: per row and group of `group_size` columns, q = round(x * (127
+    / max|x|)) (ties to even; 0 for an all-zero group) and x = q * (max|x| / 127), as llama.cpp's Q8_0."""
+    groups = x.float().reshape(*x.shape[:-1], -1, group_size)
+    top = groups.abs().amax(-1, keepdim=True)
+    # Tensor by tensor: torch computes `127.0 / top` and `top / 127.0` through a reciprocal, which rounds
+    # differently from the op's one division.
+    limit = torch.full_like(top, 127.0)
+    inverse = torch.where(top > 0, limit / top, torch.zeros_like(top))
+    return (torch.round(groups * inverse) * (top / limit)).reshape(x.shape)
 
 
 def decode(bitmap: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_offsets: torch.Tensor,
@@ -110,6 +127,33 @@ class Q4Weight:
     def dense(self) -> torch.Tensor:
         return decode(self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols)
 
+    def pairs(self) -> "Q4Pairs":
+        """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups)."""
+        masks, codes, block_offsets = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
+            self.bitmap, self.codes, self.row_offsets, self.n_cols)
+        return Q4Pairs(masks, codes, block_offsets, self.scales, self.n_cols)
+
     def nbytes(self) -> int:
         parts = (self.bitmap, self.codes, self.scales, self.row_offsets)
         return sum(t.numel() * t.element_size() for t in parts)
+
+
+@dataclass
+class Q4Pairs:
+    """A bitmap-q4 weight in the native int8-x kernel's pair layout (serving/csrc/bitmap_q4_kernels.h):
+    rows in blocks of 4, each block's 64-bit masks and 4-bit codes in the order the kernel reads them,
+    the stored fp16 scales. Made at load by `Q4Weight.pairs`; multiplied by
+    `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_cols, bias)`."""
+
+    masks: torch.Tensor
+    codes: torch.Tensor
+    block_offsets: torch.Tensor
+    scales: torch.Tensor
+    n_cols: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"masks": self.masks, "codes": self.codes, "block_offsets": self.block_offsets,
+                "scales": self.scales}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())

@@ -38,9 +38,11 @@ def assert_threads_agree(multiply: Callable[[torch.Tensor], torch.Tensor], cols:
 
 
 def assert_opaque_under_compile(op, args: tuple, multiply: Callable[[torch.Tensor], torch.Tensor],
-                                dense: torch.Tensor) -> None:
+                                dense: torch.Tensor,
+                                rounded: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
     """The op's schema and fake pass torch's opcheck (args: one call's arguments), and relu(multiply(x))
-    compiled with a dynamic M in one graph matches relu(x @ dense^T)."""
+    compiled with a dynamic M in one graph matches relu(rounded(x) @ dense^T) (`rounded`: x as the op
+    multiplies it)."""
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
     def layer(x):
@@ -49,4 +51,4 @@ def assert_opaque_under_compile(op, args: tuple, multiply: Callable[[torch.Tenso
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
     for m in (3, 5):
         x = torch.randn(m, dense.shape[1])
-        torch.testing.assert_close(compiled(x), torch.relu(x @ dense.T))
+        torch.testing.assert_close(compiled(x), torch.relu(rounded(x) @ dense.T))

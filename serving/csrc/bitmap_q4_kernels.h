@@ -62,4 +62,57 @@ void q4_decode_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64
 void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end, float* out,
                          int64_t out_stride);
 
+// ---- int8 x (the plugin's `activations=int8`; bitmap_q4_i8_avx512.cpp) ----
+//
+// The pair layout, made from the stored one once at load (bitmap_q4_pack_pairs in bitmap_q4_i8_linear.cpp):
+// rows in blocks of kPairRows (the last block padded with empty rows), each block's data in the order the
+// kernel reads it, so that it streams from two sequential arrays with one pointer each:
+// - masks: per block, pair (64 columns) and row of the block, the pair's 64-bit mask;
+// - codes: per block, pair and row, that row's kept codes of the pair (the k-th in byte k/2, low nibble for
+//   even k), padded to a byte; block_offsets[b] is block b's first code byte, and kPairPad zero bytes
+//   follow the last one;
+// - scales: the stored [rows, groups] fp16 scales, whose group size must be a multiple of 64.
+constexpr int kPairRows = 4;
+constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 64-byte load
+constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
+constexpr int64_t kPairMaxM = 8;  // rows of x the int8 kernel takes; above, decoded tiles and a GEMM
+
+// x quantized per call, per row of x and weight group: x = scale * (negative ? -magnitude : magnitude).
+struct Q8Rows {
+  uint8_t* magnitude;  // [m, cols], |q| <= 127
+  uint64_t* negative;  // [m, cols / 64], bit i of pair p: column 64 p + i is negative
+  float* scales;       // [m, groups]
+  int64_t groups;
+};
+
+struct Q4PairProblem {
+  DType dtype;                    // of y: bf16 or fp32
+  const uint64_t* masks;          // [blocks, cols / 64, kPairRows]
+  const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
+  const int64_t* block_offsets;   // [blocks]
+  const uint16_t* scales;         // fp16 [rows, groups]
+  int64_t groups;
+  int64_t group_pairs;  // G / 64
+  int64_t rows;
+  int64_t cols;  // a multiple of G
+  const uint8_t* x_magnitude;  // Q8Rows of the m rows of x
+  const uint64_t* x_negative;
+  const float* x_scales;
+  int64_t m;          // <= kPairMaxM
+  const float* bias;  // [rows] in fp32, or nullptr
+  void* y;            // [m, y_stride] of dtype
+  int64_t y_stride;
+};
+
+// x [m, cols] of dtype (bf16 or fp32; rows row_stride elements apart) quantized in blocks of `block`
+// columns (the weight's group size).
+void quantize_x_avx512(DType dtype, const void* x, int64_t row_stride, int64_t m, int64_t cols, int64_t block,
+                       Q8Rows out);
+// y[:, rows of blocks block_begin..block_end] for the p.m rows of x.
+void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end);
+// The rows of blocks block_begin..block_end (the last one's real rows only), dense in fp32 (exact), into
+// out[(row - kPairRows * block_begin) * out_stride + c].
+void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
+                                   int64_t out_stride);
+
 }  // namespace leap_sparse

@@ -1,0 +1,221 @@
+// The torch ops of bitmap-q4 weights with int8 x (the plugin's `activations=int8`):
+//   leap_sparse_cpu::bitmap_q4_i8_available() -> whether this CPU and the chosen ISA run them
+//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, row_offsets, n_cols) -> (masks, codes, block_offsets)
+//       -> the pair layout (bitmap_q4_kernels.h) of a checked bitmap-q4 weight, made once at load
+//   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_cols, bias=None)
+//       -> y = x W^T + b from the pair layout: up to kPairMaxM rows of x are quantized to int8 per row and
+//          weight group (scale max|x| / 127) and multiplied in integers; more rows (prefill) multiply x as
+//          it is with exact decoded tiles of W (rounded to bf16 for bf16 x), as bitmap_q4_linear does.
+// A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bitmap_q4_kernels.h"
+#include "op_common.h"
+
+namespace leap_sparse {
+namespace {
+
+bool i8_available() {
+  static const auto isa_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
+  static const bool cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+                          __builtin_cpu_supports("avx512vbmi2");
+  return cpu && isa_op.call() == "avx512";
+}
+
+uint64_t pair_mask(const uint8_t* row, int64_t pair) {
+  uint64_t word;
+  std::memcpy(&word, row + 8 * pair, 8);
+  return word;
+}
+
+// Appends one row's codes of pair q, from the stored layout (each 32-column word's codes from a byte,
+// `codes` at the pair's first word), to the pair layout at `out`; returns the bytes written.
+int64_t pack_pair(uint64_t mask, const uint8_t* codes, uint8_t* out) {
+  int64_t t = 0;  // nibble of the pair
+  for (int half = 0; half < 2; ++half) {
+    const int n = __builtin_popcount(static_cast<uint32_t>(mask >> (32 * half)));
+    for (int k = 0; k < n; ++k, ++t) {
+      const uint8_t code = (codes[k / 2] >> (4 * (k % 2))) & 0xf;
+      out[t / 2] |= static_cast<uint8_t>(code << (4 * (t % 2)));
+    }
+    codes += (n + 1) / 2;
+  }
+  return (t + 1) / 2;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(const at::Tensor& bitmap, const at::Tensor& codes,
+                                                                    const at::Tensor& row_offsets, int64_t n_cols) {
+  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
+  TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0, kOp, ": n_cols must be a positive multiple of 64, got ", n_cols);
+  TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && row_offsets.device().is_cpu() &&
+                  bitmap.scalar_type() == at::kByte && bitmap.dim() == 2 && bitmap.size(1) == n_cols / 8 &&
+                  codes.scalar_type() == at::kByte && row_offsets.scalar_type() == at::kInt &&
+                  row_offsets.numel() == bitmap.size(0),
+              kOp, " takes CPU uint8 bitmap [rows, n_cols / 8], uint8 codes and int32 row_offsets [rows] of a "
+              "checked bitmap-q4 weight");
+  const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
+  const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
+  const uint8_t* bit_data = bits.data_ptr<uint8_t>();
+  const auto mask_of = [&](int64_t row, int64_t q) -> uint64_t {
+    return row < rows ? pair_mask(bit_data + row * (n_cols / 8), q) : 0;
+  };
+  at::Tensor block_offsets = at::empty({blocks}, offsets.options().dtype(at::kLong));
+  at::Tensor masks = at::empty({blocks, pairs, kPairRows}, offsets.options().dtype(at::kLong));
+  int64_t* block_offset = block_offsets.data_ptr<int64_t>();
+  uint64_t* mask_data = reinterpret_cast<uint64_t*>(masks.data_ptr<int64_t>());
+  int64_t total = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    block_offset[b] = total;
+    for (int64_t q = 0; q < pairs; ++q) {
+      for (int64_t r = 0; r < kPairRows; ++r) {
+        const uint64_t mask = mask_of(b * kPairRows + r, q);
+        mask_data[(b * pairs + q) * kPairRows + r] = mask;
+        total += (__builtin_popcountll(mask) + 1) / 2;
+      }
+    }
+  }
+  at::Tensor packed = at::zeros({total + kPairPad}, code.options());
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const uint8_t* in = code.data_ptr<uint8_t>();
+  const int32_t* in_offset = offsets.data_ptr<int32_t>();
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* row_codes[kPairRows];
+      for (int64_t r = 0; r < kPairRows; ++r) {
+        row_codes[r] = b * kPairRows + r < rows ? in + in_offset[b * kPairRows + r] : nullptr;
+      }
+      uint8_t* dst = out + block_offset[b];
+      for (int64_t q = 0; q < pairs; ++q) {
+        for (int64_t r = 0; r < kPairRows; ++r) {
+          if (row_codes[r] == nullptr) continue;
+          const uint64_t mask = mask_data[(b * pairs + q) * kPairRows + r];
+          dst += pack_pair(mask, row_codes[r], dst);
+          row_codes[r] += (__builtin_popcount(static_cast<uint32_t>(mask)) + 1) / 2 +
+                          (__builtin_popcount(static_cast<uint32_t>(mask >> 32)) + 1) / 2;
+        }
+      }
+    }
+  });
+  return {masks, packed, block_offsets};
+}
+
+at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
+                               const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_cols,
+                               const std::optional<at::Tensor>& bias) {
+  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
+  TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI, VBMI and VBMI2, and the avx512 ISA chosen");
+  TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
+                  scales.device().is_cpu() && block_offsets.device().is_cpu() &&
+                  (!bias.has_value() || bias->device().is_cpu()),
+              kOp, " takes CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, kOp,
+              " supports bfloat16 and float32 x, not ", x.scalar_type());
+  TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0 && x.dim() >= 1 && x.size(-1) == n_cols, kOp, ": x has ",
+              x.dim() >= 1 ? x.size(-1) : 0, " features, the weight has ", n_cols, " columns (a multiple of 64)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(1) > 0 &&
+                  n_cols % scales.size(1) == 0 && (n_cols / scales.size(1)) % 64 == 0,
+              kOp, ": scales must be float16 [rows, groups] with groups of a multiple of 64 columns");
+  const int64_t rows = scales.size(0), blocks = (rows + kPairRows - 1) / kPairRows;
+  TORCH_CHECK(masks.scalar_type() == at::kLong && masks.numel() == blocks * (n_cols / 64) * kPairRows &&
+                  codes.scalar_type() == at::kByte && codes.dim() == 1 && codes.numel() >= kPairPad &&
+                  block_offsets.scalar_type() == at::kLong && block_offsets.numel() == blocks,
+              kOp, ": masks, codes and block_offsets must be the pair layout (bitmap_q4_pack_pairs)");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == rows), kOp, ": bias must have ", rows,
+              " entries");
+  at::Tensor y = empty_output(x, rows);
+  const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
+  if (m == 0 || rows == 0) return y;
+
+  const at::Tensor mask = masks.contiguous(), code = codes.contiguous(), scale = scales.contiguous(),
+                   offsets = block_offsets.contiguous();
+  at::Tensor x2 = x.reshape({m, n_cols});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
+
+  Q4PairProblem p{};
+  p.dtype = x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32;
+  p.masks = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
+  p.codes = code.data_ptr<uint8_t>();
+  p.block_offsets = offsets.data_ptr<int64_t>();
+  p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  p.groups = scale.size(1);
+  p.group_pairs = n_cols / p.groups / 64;
+  p.rows = rows;
+  p.cols = n_cols;
+  p.m = m;
+  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_stride = rows;
+  TORCH_CHECK(p.block_offsets[0] == 0 && p.block_offsets[blocks - 1] <= code.numel() - kPairPad, kOp,
+              ": block_offsets do not fit the codes (make them with bitmap_q4_pack_pairs)");
+  const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
+
+  if (m <= kPairMaxM) {
+    const at::Tensor magnitude = at::empty({m, n_cols}, x.options().dtype(at::kByte));
+    const at::Tensor negative = at::empty({m, n_cols / 64}, x.options().dtype(at::kLong));
+    const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
+    const Q8Rows q8{magnitude.data_ptr<uint8_t>(), reinterpret_cast<uint64_t*>(negative.data_ptr<int64_t>()),
+                    x_scales.data_ptr<float>(), p.groups};
+    quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
+    p.x_magnitude = q8.magnitude;
+    p.x_negative = q8.negative;
+    p.x_scales = q8.scales;
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { q4_pairs_gemm_blocks_avx512(p, begin, end); });
+    return y;
+  }
+
+  // Prefill: x as it is against exact tiles (bf16-rounded for bf16 x, as bitmap_q4_linear does).
+  const bool bf16_gemm = x.scalar_type() == at::kBFloat16;
+  const int64_t tile_blocks = std::clamp<int64_t>(kTileBytes / (n_cols * 4 * kPairRows), 4, blocks);
+  at::Tensor tile = at::empty({tile_blocks * kPairRows, n_cols}, x.options().dtype(at::kFloat));
+  float* tile_data = tile.data_ptr<float>();
+  std::optional<at::Tensor> bias_g;
+  if (bias.has_value()) bias_g = bf16_gemm ? bias->to(at::kBFloat16).contiguous() : *bias32;
+  at::Tensor y2 = y.view({m, rows});
+  for (int64_t first = 0; first < blocks; first += tile_blocks) {
+    const int64_t last = std::min(blocks, first + tile_blocks);
+    at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
+      q4_pairs_decode_blocks_avx512(p, begin, end, tile_data + (begin - first) * kPairRows * n_cols, n_cols);
+    });
+    const int64_t row0 = first * kPairRows, row1 = std::min(rows, last * kPairRows);
+    at::Tensor w = tile.narrow(0, 0, row1 - row0);
+    if (bf16_gemm) w = w.to(at::kBFloat16);
+    y2.narrow(1, row0, row1 - row0)
+        .copy_(bias_g.has_value() ? at::addmm(bias_g->narrow(0, row0, row1 - row0), x2, w.t())
+                                  : at::mm(x2, w.t()));
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace leap_sparse
+
+TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
+  m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
+  m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor row_offsets, int n_cols) -> "
+        "(Tensor masks, Tensor codes, Tensor block_offsets)");
+  m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "
+        "int n_cols, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) {
+  m.impl("bitmap_q4_pack_pairs", &leap_sparse::bitmap_q4_pack_pairs);
+  m.impl("bitmap_q4_i8_linear", &leap_sparse::bitmap_q4_i8_linear);
+}

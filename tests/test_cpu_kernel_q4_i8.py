@@ -1,0 +1,208 @@
+"""The native int8-x op on bitmap-q4 weights (`leap_sparse_cpu::bitmap_q4_i8_linear`, on the pair layout
+that `bitmap_q4_pack_pairs` makes at load) against plain float64 references: up to 8 rows of x, x rounded
+by `serving.q4_linear.int8_activations` (the definition) times the dequantized dense weight
+(`get_format("bitmap-q4").decode`, exact); above 8 rows, x as it is. bf16 and fp32 x, 1 and 2 threads,
+groups of 64 and 128 columns, row counts that are not a multiple of the layout's blocks of 4, densities
+0, 0.5 and 1, the last block's reads against a guard page."""
+
+import pytest
+import torch
+from kernel_helpers import X86_ONLY, assert_opaque_under_compile, assert_threads_agree, run_python
+
+from serving import cpu_kernel
+from serving.q4_linear import INT8_MAX_ROWS, Q4Weight, int8_activations
+from sparse_formats import get_format
+
+pytestmark = X86_ONLY
+
+FMT = get_format("bitmap-q4")
+SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float32: 24}
+# (rows, cols, group): one row, rows not a multiple of 4 (1, 3, 5, 67), one pair per row, the default group,
+# 128-column groups, rows wider than 2048 columns.
+SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (6, 4096, 64)]
+DENSITIES = [0.0, 0.5, 1.0]
+MS = [*range(1, 10), 16, 41]
+
+
+@pytest.fixture(scope="module")
+def op():
+    assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
+    if not cpu_kernel.int8_kernel_available():
+        pytest.skip("this CPU has no AVX-512 VNNI, VBMI and VBMI2")
+    return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
+
+
+def encoded(rows: int, cols: int, density: float, group: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random weight encoded by the format (absmax scales); row 0 kept whole, row 1 emptied (> 2 rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=gen)
+    mask = torch.rand(rows, cols, generator=gen) < density
+    if rows > 2:
+        mask[0], mask[1] = True, False
+    return FMT.encode(weight, mask, group_size=group)
+
+
+def pairs_of(t: dict[str, torch.Tensor]):
+    return Q4Weight.from_tensors("bitmap-q4", t).pairs()
+
+
+def call(op, x, pairs, bias=None):
+    return op(x, pairs.masks, pairs.codes, pairs.block_offsets, pairs.scales, pairs.n_cols, bias)
+
+
+def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group: int) -> float:
+    """How far the worst output lies outside its bound (<= 0: all inside). The reference multiplies x as
+    the op does (rounded to int8 per group up to 8 rows, as it is above) with the exact weight in float64;
+    per output the fp32 sums and scale products may err by cols * 2^-23 * sum |x w|, bf16 tiles (bf16 x
+    above 8 rows) by 2^-9 * sum |x w| more, then the rounding to the output dtype by 2^-bits of the value."""
+    rows_of_x = x.reshape(-1, x.shape[-1]).shape[0]
+    multiplied = (int8_activations(x, group) if rows_of_x <= INT8_MAX_ROWS else x.float()).double()
+    expected = multiplied @ dense.double().T + (0 if bias is None else bias.double())
+    magnitude = multiplied.abs() @ dense.double().abs().T
+    summing = dense.shape[1] * 2.0**-23 * magnitude
+    if x.dtype == torch.bfloat16 and rows_of_x > INT8_MAX_ROWS:
+        summing = summing + 2.0**-9 * magnitude
+    bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + 1e-30
+    return ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
+
+
+def test_the_pair_layout_decodes_to_the_stored_weight_exactly(op, one_thread):
+    """Above 8 rows of x the op multiplies exact fp32 tiles decoded from the pair layout: x = I gives W^T
+    bit for bit, so the layout holds every code and scale of every row, blocks padded or not."""
+    for rows, cols, group in SHAPES[:5]:
+        for density in DENSITIES:
+            t = encoded(rows, cols, density, group, seed=rows)
+            got = call(op, torch.eye(cols), pairs_of(t))
+            assert torch.equal(got.T, FMT.decode(t)), (rows, cols, group, density)
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_every_m_and_density_matches_the_reference(op, threads, xdtype, shape):
+    rows, cols, group = shape
+    for density in DENSITIES:
+        t = encoded(rows, cols, density, group, seed=int(density * 10) + rows)
+        pairs, dense = pairs_of(t), FMT.decode(t)
+        bias = torch.randn(rows)
+        for m in MS:
+            x = torch.randn(m, cols).to(xdtype)
+            b = bias if m % 2 else None
+            got = call(op, x, pairs, b)
+            assert got.shape == (m, rows) and got.dtype == xdtype
+            assert excess(got, x, dense, b, group) <= 0, f"{xdtype} density {density} M {m}"
+
+
+def test_a_flipped_code_or_scale_is_seen(op, one_thread):
+    """The bound is tight enough to catch one wrong weight (a code's top bit: 8 levels; a doubled scale)."""
+    t = encoded(9, 576, 0.5, 64, seed=3)
+    dense = FMT.decode(t)
+    flipped = dict(t, codes=t["codes"].clone())
+    flipped["codes"][int(t["row_offsets"][4]) + 5] ^= 0x80
+    rescaled = dict(t, scales=t["scales"].clone())
+    rescaled["scales"][6, 3] *= 2
+    for m in (1, 4, 8, 9):
+        x = torch.randn(m, 576).to(torch.bfloat16)
+        assert excess(call(op, x, pairs_of(t)), x, dense, None, 64) <= 0
+        assert excess(call(op, x, pairs_of(flipped)), x, dense, None, 64) > 0, m
+        assert excess(call(op, x, pairs_of(rescaled)), x, dense, None, 64) > 0, m
+
+
+def test_small_integers_give_exact_results(op, one_thread):
+    """Weights -3, -1, 1, 3 (scale 2, codes 6..9) and x in {-1, 0, 1} (scale 1/127 per group, q = +-127):
+    every sum is a small integer times 1/127 folded in fp32, and x rounds to itself, so the op must equal
+    the fp32 rounding of the exact result."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randint(6, 10, (70, 192), generator=gen).float() - 7.5) * 2
+    mask = torch.rand(70, 192, generator=gen) < 0.5
+    t = FMT.encode(weight, mask, scales=torch.full((70, 3), 2.0, dtype=torch.float16))
+    for m in range(1, 9):
+        x = torch.randint(-1, 2, (m, 192), generator=gen).float()
+        x[:, ::64] = 1.0  # every group's max |x| is 1
+        assert torch.equal(int8_activations(x, 64), x)
+        expected = x.double() @ FMT.decode(t).double().T
+        assert torch.allclose(call(op, x, pairs_of(t)).double(), expected, rtol=2.0**-22, atol=0), m
+
+
+def test_rows_of_x_are_rounded_independently(op, one_thread):
+    """Each row of x is quantized on its own scale and each output is the same sequence of operations
+    whatever the other rows: a row alone gives bit for bit what it gives among up to 8."""
+    t = encoded(45, 640, 0.5, 64)
+    pairs = pairs_of(t)
+    x = torch.randn(8, 640).to(torch.bfloat16)
+    x[3] *= 1000  # a row with another scale
+    alone = torch.cat([call(op, x[i : i + 1], pairs) for i in range(8)])
+    for m in range(2, 9):
+        assert torch.equal(call(op, x[:m], pairs), alone[:m]), m
+
+
+def test_thread_count_does_not_change_the_result(op):
+    t = encoded(301, 576, 0.4)
+    pairs = pairs_of(t)
+    assert_threads_agree(lambda x: call(op, x, pairs), 576, (1, 2, 5, 8, 9, 20))
+
+
+def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
+    t = encoded(16, 128, 0.5)
+    pairs = pairs_of(t)
+    dense = FMT.decode(t)
+    args = (torch.randn(3, 128), pairs.masks, pairs.codes, pairs.block_offsets, pairs.scales, 128)
+    rounded = lambda x: int8_activations(x, 64)  # noqa: E731
+    assert_opaque_under_compile(op, args, lambda x: call(op, x, pairs), dense, rounded)
+
+
+def test_bad_input_is_refused_with_a_message(op):
+    t = encoded(8, 128, 0.5)
+    pairs = pairs_of(t)
+    with pytest.raises(RuntimeError, match="x has 127 features, the weight has 128 columns"):
+        call(op, torch.randn(2, 127), pairs)
+    with pytest.raises(RuntimeError, match="supports bfloat16 and float32 x"):
+        call(op, torch.randn(2, 128).half(), pairs)
+    with pytest.raises(RuntimeError, match="must be the pair layout"):
+        op(torch.randn(2, 128), pairs.masks[:1], pairs.codes, pairs.block_offsets, pairs.scales, 128)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 64 columns"):
+        t32 = encoded(8, 128, 0.5, 32)
+        op(torch.randn(2, 128), pairs.masks, pairs.codes, pairs.block_offsets, t32["scales"], 128)
+    with pytest.raises(RuntimeError, match="n_cols must be a positive multiple of 64"):
+        torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(t["bitmap"][:, :12], t["codes"], t["row_offsets"], 96)
+
+
+def test_unavailable_under_the_avx2_kernels(op):
+    """`LEAP_SPARSE_CPU_ISA=avx2` (a CPU without AVX-512) turns the int8 path off: the plugin then serves
+    bf16 x, and the op itself refuses."""
+    code = ("import torch; from serving import cpu_kernel; cpu_kernel.load(); "
+            "print(cpu_kernel.int8_kernel_available())")
+    done = run_python(code, LEAP_SPARSE_CPU_ISA="avx2")
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
+
+
+def test_reads_stay_inside_the_codes(op, one_thread):
+    """The last block's 64-byte code loads end inside the padding the layout adds: codes placed just before
+    a guard page (an mprotect'ed page) still multiply correctly."""
+    code = r"""
+import ctypes, mmap, torch
+from serving import cpu_kernel
+from serving.q4_linear import Q4Weight
+from sparse_formats import get_format
+cpu_kernel.load()
+fmt = get_format("bitmap-q4")
+t = fmt.encode(torch.randn(7, 192), torch.rand(7, 192) < 0.9)
+p = Q4Weight.from_tensors("bitmap-q4", t).pairs()
+n = p.codes.numel()
+page = mmap.PAGESIZE
+buf = mmap.mmap(-1, 2 * page + page * ((n + page - 1) // page))
+base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+guard = base + page * ((n + page - 1) // page)
+libc = ctypes.CDLL(None)
+assert libc.mprotect(ctypes.c_void_p(guard), page, 0) == 0
+start = guard - n
+holder = (ctypes.c_uint8 * n).from_address(start)
+codes = torch.frombuffer(holder, dtype=torch.uint8, count=n)
+codes.copy_(p.codes)
+x = torch.randn(3, 192)
+got = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, codes, p.block_offsets, p.scales, 192)
+ref = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, p.codes, p.block_offsets, p.scales, 192)
+assert torch.equal(got, ref)
+print("ok")
+"""
+    done = run_python(code)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

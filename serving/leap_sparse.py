@@ -212,6 +212,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
                             and self.config.int8_activations(weight))
         if layer.leap_pairs:
             pairs = weight.pairs()
+            layer.leap_n_rows = pairs.n_rows
             for name, tensor in pairs.tensors().items():
                 layer.register_parameter(name, Parameter(tensor, requires_grad=False))
             self.config.record_loaded_layer(pairs.nbytes(), dense_bytes)
@@ -228,7 +229,8 @@ class LeapSparseLinearMethod(LinearMethodBase):
         if getattr(layer, "leap_q4", False):
             if layer.leap_pairs:
                 return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(
-                    x, layer.masks, layer.codes, layer.block_offsets, layer.scales, layer.leap_n_cols, bias)
+                    x, layer.masks, layer.codes, layer.block_offsets, layer.scales, layer.leap_n_rows,
+                    layer.leap_n_cols, bias)
             native = layer.leap_native and x.dtype in (torch.bfloat16, torch.float32)
             op = torch.ops.leap_sparse_cpu.bitmap_q4_linear if native else bitmap_q4_linear
             return op(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets, layer.leap_n_cols, bias)

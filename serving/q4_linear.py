@@ -129,9 +129,9 @@ class Q4Weight:
 
     def pairs(self) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups)."""
-        masks, codes, block_offsets = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
-            self.bitmap, self.codes, self.row_offsets, self.n_cols)
-        return Q4Pairs(masks, codes, block_offsets, self.scales, self.n_cols)
+        masks, codes, block_offsets, scales = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
+            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols)
+        return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols)
 
     def nbytes(self) -> int:
         parts = (self.bitmap, self.codes, self.scales, self.row_offsets)
@@ -141,14 +141,16 @@ class Q4Weight:
 @dataclass
 class Q4Pairs:
     """A bitmap-q4 weight in the native int8-x kernel's pair layout (serving/csrc/bitmap_q4_kernels.h):
-    rows in blocks of 4, each block's 64-bit masks and 4-bit codes in the order the kernel reads them,
-    the stored fp16 scales. Made at load by `Q4Weight.pairs`; multiplied by
-    `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_cols, bias)`."""
+    rows in blocks of 4, each block's 64-bit masks, 4-bit codes and fp16 scales in the order the kernel reads
+    them. Made at load by `Q4Weight.pairs`; multiplied by
+    `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols,
+    bias)`."""
 
     masks: torch.Tensor
     codes: torch.Tensor
     block_offsets: torch.Tensor
     scales: torch.Tensor
+    n_rows: int
     n_cols: int
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ def pairs_of(t: dict[str, torch.Tensor]):
 
 
 def call(op, x, pairs, bias=None):
-    return op(x, pairs.masks, pairs.codes, pairs.block_offsets, pairs.scales, pairs.n_cols, bias)
+    return op(x, *pairs.tensors().values(), pairs.n_rows, pairs.n_cols, bias)
 
 
 def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group: int) -> float:
@@ -145,7 +145,7 @@ def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
     t = encoded(16, 128, 0.5)
     pairs = pairs_of(t)
     dense = FMT.decode(t)
-    args = (torch.randn(3, 128), pairs.masks, pairs.codes, pairs.block_offsets, pairs.scales, 128)
+    args = (torch.randn(3, 128), pairs.masks, pairs.codes, pairs.block_offsets, pairs.scales, 16, 128)
     rounded = lambda x: int8_activations(x, 64)  # noqa: E731
     assert_opaque_under_compile(op, args, lambda x: call(op, x, pairs), dense, rounded)
 
@@ -158,12 +158,15 @@ def test_bad_input_is_refused_with_a_message(op):
     with pytest.raises(RuntimeError, match="supports bfloat16 and float32 x"):
         call(op, torch.randn(2, 128).half(), pairs)
     with pytest.raises(RuntimeError, match="must be the pair layout"):
-        op(torch.randn(2, 128), pairs.masks[:1], pairs.codes, pairs.block_offsets, pairs.scales, 128)
-    with pytest.raises(RuntimeError, match="groups of a multiple of 64 columns"):
-        t32 = encoded(8, 128, 0.5, 32)
-        op(torch.randn(2, 128), pairs.masks, pairs.codes, pairs.block_offsets, t32["scales"], 128)
+        op(torch.randn(2, 128), pairs.masks[:1], pairs.codes, pairs.block_offsets, pairs.scales, 8, 128)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 64"):
+        op(torch.randn(2, 128), pairs.masks, pairs.codes, pairs.block_offsets, t["scales"], 8, 128)
+    pack = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs
     with pytest.raises(RuntimeError, match="n_cols must be a positive multiple of 64"):
-        torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(t["bitmap"][:, :12], t["codes"], t["row_offsets"], 96)
+        pack(t["bitmap"][:, :12], t["codes"], t["scales"], t["row_offsets"], 96)
+    with pytest.raises(RuntimeError, match="of a multiple of 64 columns"):
+        t32 = encoded(8, 128, 0.5, 32)
+        pack(t32["bitmap"], t32["codes"], t32["scales"], t32["row_offsets"], 128)
 
 
 def test_unavailable_under_the_avx2_kernels(op):
@@ -199,8 +202,8 @@ holder = (ctypes.c_uint8 * n).from_address(start)
 codes = torch.frombuffer(holder, dtype=torch.uint8, count=n)
 codes.copy_(p.codes)
 x = torch.randn(3, 192)
-got = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, codes, p.block_offsets, p.scales, 192)
-ref = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, p.codes, p.block_offsets, p.scales, 192)
+got = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, codes, p.block_offsets, p.scales, 7, 192)
+ref = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, p.codes, p.block_offsets, p.scales, 7, 192)
 assert torch.equal(got, ref)
 print("ok")
 """

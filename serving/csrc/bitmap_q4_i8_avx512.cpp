@@ -90,13 +90,19 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   const PairDecoder dec;
   const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
   const int64_t row0 = b * R, real = std::min<int64_t>(R, p.rows - row0);
-  // scales[(g * R + r) * M + m] = 0.5 * s_w[r, g] * s_x[m, g] (x is quantized per weight group; padded rows
-  // get 0): the fold of a pair reads the R * M of its group together.
-  for (int r = 0; r < R; ++r) {
-    const uint16_t* sw = p.scales + (row0 + r) * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float w = r < real ? 0.5f * _cvtsh_ss(sw[g]) : 0.0f;
-      for (int m = 0; m < M; ++m) scales[(g * R + r) * M + m] = w * p.x_scales[(m0 + m) * groups + g];
+  // scales[m * groups * R + g * R + r] = 0.5 * s_w[r, g] * s_x[m, g] (x is quantized per weight group):
+  // 16 at a time from the block's scales as the layout stores them ([groups, R] fp16; padded rows 0),
+  // each x scale spread over its group's R lanes.
+  const uint16_t* sw = p.scales + b * groups * R;
+  const __m512i spread_x = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t g = 0; g < groups; g += 4) {
+    const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (R * (groups - g))) - 1);
+    const __mmask8 x_valid = groups - g >= 4 ? 0xf : static_cast<__mmask8>((1u << (groups - g)) - 1);
+    const __m512 w = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + g * R)));
+    for (int m = 0; m < M; ++m) {
+      const __m128 four = _mm_maskz_loadu_ps(x_valid, p.x_scales + (m0 + m) * groups + g);
+      const __m512 x = _mm512_permutexvar_ps(spread_x, _mm512_castps128_ps512(four));
+      _mm512_mask_storeu_ps(scales + m * groups * R + g * R, valid, _mm512_mul_ps(w, x));
     }
   }
   __m512 acc[R][M];
@@ -123,12 +129,12 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
         __m512i sum;
         asm volatile("vpxord %0, %0, %0" : "=v"(sum));  // a zero idiom per sum, not a copy of one register
         sum = _mm512_dpbusd_epi32(sum, xv[m], signed_w);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[r * M + m]), acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
       }
     }
     if (++j == gp) {
       j = 0;
-      s += R * M;
+      s += R;
     }
   }
   const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
@@ -226,7 +232,7 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
         c += kPairBytes.n[_mm_popcnt_u64(masks[r])];
         if (r >= real) continue;
         // s * (code - 7.5) = (0.5 s) * (2 code - 15): exact in fp32 (an fp16 times a small odd integer).
-        const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(row0 + r) * p.groups + q / p.group_pairs]));
+        const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));
         float* dst = out + (row0 + r - kPairRows * block_begin) * out_stride + 64 * q;
         _mm512_storeu_ps(dst, _mm512_mul_ps(s, quarter<0>(w)));
         _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, quarter<1>(w)));

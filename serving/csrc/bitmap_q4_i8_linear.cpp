@@ -1,8 +1,9 @@
 // The torch ops of bitmap-q4 weights with int8 x (the plugin's `activations=int8`):
 //   leap_sparse_cpu::bitmap_q4_i8_available() -> whether this CPU and the chosen ISA run them
-//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, row_offsets, n_cols) -> (masks, codes, block_offsets)
-//       -> the pair layout (bitmap_q4_kernels.h) of a checked bitmap-q4 weight, made once at load
-//   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_cols, bias=None)
+//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols)
+//       -> (masks, codes, block_offsets, scales): the pair layout (bitmap_q4_kernels.h) of a checked bitmap-q4
+//          weight, made once at load
+//   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None)
 //       -> y = x W^T + b from the pair layout: up to kPairMaxM rows of x are quantized to int8 per row and
 //          weight group (scale max|x| / 127) and multiplied in integers; more rows (prefill) multiply x as
 //          it is with exact decoded tiles of W (rounded to bf16 for bf16 x), as bitmap_q4_linear does.
@@ -59,16 +60,19 @@ int64_t pack_pair(uint64_t mask, const uint8_t* codes, uint8_t* out) {
   return (t + 1) / 2;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(const at::Tensor& bitmap, const at::Tensor& codes,
-                                                                    const at::Tensor& row_offsets, int64_t n_cols) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
+    const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_offsets,
+    int64_t n_cols) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
   TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0, kOp, ": n_cols must be a positive multiple of 64, got ", n_cols);
   TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && row_offsets.device().is_cpu() &&
                   bitmap.scalar_type() == at::kByte && bitmap.dim() == 2 && bitmap.size(1) == n_cols / 8 &&
                   codes.scalar_type() == at::kByte && row_offsets.scalar_type() == at::kInt &&
-                  row_offsets.numel() == bitmap.size(0),
-              kOp, " takes CPU uint8 bitmap [rows, n_cols / 8], uint8 codes and int32 row_offsets [rows] of a "
-              "checked bitmap-q4 weight");
+                  row_offsets.numel() == bitmap.size(0) && scales.device().is_cpu() &&
+                  scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == bitmap.size(0) &&
+                  scales.size(1) > 0 && n_cols % scales.size(1) == 0 && (n_cols / scales.size(1)) % 64 == 0,
+              kOp, " takes the CPU tensors of a checked bitmap-q4 weight (uint8 bitmap [rows, n_cols / 8], uint8 "
+              "codes, float16 scales [rows, groups] of a multiple of 64 columns, int32 row_offsets [rows])");
   const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
   const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
   const uint8_t* bit_data = bits.data_ptr<uint8_t>();
@@ -89,6 +93,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(const at::Te
         total += (__builtin_popcountll(mask) + 1) / 2;
       }
     }
+  }
+  const int64_t groups = scales.size(1);
+  const at::Tensor scale = scales.contiguous();
+  at::Tensor block_scales = at::zeros({blocks, groups, kPairRows}, scale.options());
+  block_scales.narrow(0, 0, rows / kPairRows)
+      .copy_(scale.narrow(0, 0, rows / kPairRows * kPairRows).view({rows / kPairRows, kPairRows, groups}).transpose(1, 2));
+  for (int64_t row = rows / kPairRows * kPairRows; row < rows; ++row) {
+    block_scales.select(0, blocks - 1).select(1, row % kPairRows).copy_(scale.select(0, row));
   }
   at::Tensor packed = at::zeros({total + kPairPad}, code.options());
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -112,12 +124,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(const at::Te
       }
     }
   });
-  return {masks, packed, block_offsets};
+  return {masks, packed, block_offsets, block_scales};
 }
 
 at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
-                               const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_cols,
-                               const std::optional<at::Tensor>& bias) {
+                               const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
+                               int64_t n_cols, const std::optional<at::Tensor>& bias) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
   TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI, VBMI and VBMI2, and the avx512 ISA chosen");
   TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
@@ -128,10 +140,12 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
               " supports bfloat16 and float32 x, not ", x.scalar_type());
   TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0 && x.dim() >= 1 && x.size(-1) == n_cols, kOp, ": x has ",
               x.dim() >= 1 ? x.size(-1) : 0, " features, the weight has ", n_cols, " columns (a multiple of 64)");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(1) > 0 &&
-                  n_cols % scales.size(1) == 0 && (n_cols / scales.size(1)) % 64 == 0,
-              kOp, ": scales must be float16 [rows, groups] with groups of a multiple of 64 columns");
-  const int64_t rows = scales.size(0), blocks = (rows + kPairRows - 1) / kPairRows;
+  const int64_t rows = n_rows, blocks = (rows + kPairRows - 1) / kPairRows;
+  TORCH_CHECK(rows >= 0 && scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == blocks &&
+                  scales.size(2) == kPairRows && scales.size(1) > 0 && n_cols % scales.size(1) == 0 &&
+                  (n_cols / scales.size(1)) % 64 == 0,
+              kOp, ": scales must be float16 [blocks, groups, ", kPairRows, "] with groups of a multiple of 64 "
+              "columns (the pair layout, bitmap_q4_pack_pairs)");
   TORCH_CHECK(masks.scalar_type() == at::kLong && masks.numel() == blocks * (n_cols / 64) * kPairRows &&
                   codes.scalar_type() == at::kByte && codes.dim() == 1 && codes.numel() >= kPairPad &&
                   block_offsets.scalar_type() == at::kLong && block_offsets.numel() == blocks,
@@ -209,10 +223,10 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
 
 TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
-  m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor row_offsets, int n_cols) -> "
-        "(Tensor masks, Tensor codes, Tensor block_offsets)");
+  m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols) -> "
+        "(Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales)");
   m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "
-        "int n_cols, Tensor? bias=None) -> Tensor");
+        "int n_rows, int n_cols, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) {

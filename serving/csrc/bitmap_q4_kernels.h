@@ -71,7 +71,8 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 // - codes: per block, pair and row, that row's kept codes of the pair (the k-th in byte k/2, low nibble for
 //   even k), padded to a byte; block_offsets[b] is block b's first code byte, and kPairPad zero bytes
 //   follow the last one;
-// - scales: the stored [rows, groups] fp16 scales, whose group size must be a multiple of 64.
+// - scales: per block, group and row of the block, the row's fp16 scale (padded rows 0); the group size must
+//   be a multiple of 64.
 constexpr int kPairRows = 4;
 constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 64-byte load
 constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
@@ -90,7 +91,7 @@ struct Q4PairProblem {
   const uint64_t* masks;          // [blocks, cols / 64, kPairRows]
   const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
   const int64_t* block_offsets;   // [blocks]
-  const uint16_t* scales;         // fp16 [rows, groups]
+  const uint16_t* scales;         // fp16 [blocks, groups, kPairRows]
   int64_t groups;
   int64_t group_pairs;  // G / 64
   int64_t rows;

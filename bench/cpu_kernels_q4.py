@@ -7,6 +7,9 @@
 For every decoder linear shape of each model ([n, k] = [out, in] features, each projection on its own:
 q/o, k/v, gate/up, down), each sparsity, group size and M rows of x (bf16), it times on one masked weight:
 - q4: `torch.ops.leap_sparse_cpu.bitmap_q4_linear` on the `bitmap-q4` encoding (codes + fp16 scales);
+- q4-int8: `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear` (int8 x, what `leapctl serve` runs by default) on
+  the pair layout made from it, where the CPU has AVX-512 VNNI (its result is checked against the same
+  tolerance: it rounds x to int8);
 - bitmap: `torch.ops.leap_sparse_cpu.bitmap_linear` on the `bitmap` encoding with bf16 values;
 - `torch.nn.functional.linear` on the dense masked weight in bf16, and vLLM's oneDNN linear where vLLM's CPU
   ops import (as bench/cpu_kernels.py sets it up).
@@ -69,7 +72,12 @@ def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed:
         count = max(2, math.ceil(rotate / nbytes(parts)))
         return [tuple(t.clone() for t in parts) for _ in range(count)]
 
-    return copies((dense,)), copies(bitmap_parts), copies(q4_parts)
+    pairs = []
+    if group % 64 == 0 and cpu_kernel.int8_kernel_available():  # the int8 op needs 64-column groups
+        made = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(q4["bitmap"], q4["codes"], q4["scales"],
+                                                              q4["row_offsets"], k)
+        pairs = copies(tuple(made))
+    return copies((dense,)), copies(bitmap_parts), copies(q4_parts), pairs
 
 
 def time_ops(ops: dict, repeats: int) -> dict[str, float]:
@@ -88,7 +96,8 @@ def time_ops(ops: dict, repeats: int) -> dict[str, float]:
 
 
 def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, tokens) -> list[dict]:
-    dense, bitmap, q4 = make_weights(n, k, sparsity, group, args.rotate_mib << 20, seed=n * 31 + k)
+    dense, bitmap, q4, pairs = make_weights(n, k, sparsity, group, args.rotate_mib << 20, seed=n * 31 + k)
+    i8_op = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
     handlers = [onednn[0](w.t(), 32) for (w,) in dense] if onednn else []
     q4_bytes = nbytes(q4[0])
     q4_op, bitmap_op = torch.ops.leap_sparse_cpu.bitmap_q4_linear, torch.ops.leap_sparse_cpu.bitmap_linear
@@ -98,7 +107,10 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
         for m in tokens:
             x = torch.randn(m, k).to(torch.bfloat16)
             ref = F.linear(x.float(), dense[0][0].float())
-            for got in (q4_op(x, *q4[0], k, None), bitmap_op(x, *bitmap[0], k, None)):
+            results = [q4_op(x, *q4[0], k, None), bitmap_op(x, *bitmap[0], k, None)]
+            if pairs:
+                results.append(i8_op(x, *pairs[0], n, k, None))
+            for got in results:
                 assert torch.allclose(got.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (
                     f"an op disagrees with dense for {model} {layer} M={m}"
                 )
@@ -109,6 +121,8 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
             }
             if handlers:
                 ops["onednn"] = (lambda x=x: [onednn[1](h, x, None) for h in handlers], len(handlers))
+            if pairs:
+                ops["q4-int8"] = (lambda x=x: [i8_op(x, *w, n, k, None) for w in pairs], len(pairs))
             us = time_ops(ops, args.repeats)
             dense_op = min((name for name in us if name in ("linear", "onednn")), key=us.get)
             weight_gbs = q4_bytes / (us["q4"] * 1e-6) / 1e9
@@ -122,6 +136,7 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
                     "group": group,
                     "threads": threads,
                     "q4_us": round(us["q4"], 2),
+                    "q4_int8_us": round(us["q4-int8"], 2) if "q4-int8" in us else None,
                     "bitmap_us": round(us["bitmap"], 2),
                     "linear_us": round(us["linear"], 2),
                     "onednn_us": round(us["onednn"], 2) if "onednn" in us else None,
@@ -137,8 +152,9 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
                 }
             )
             r = rows[-1]
+            int8 = f", q4-int8 {us['q4-int8']:8.1f} us" if "q4-int8" in us else ""
             print(
-                f"    {threads} thr M={m:2d}: q4 {us['q4']:8.1f} us ({weight_gbs:5.1f} GB/s, "
+                f"    {threads} thr M={m:2d}{int8}: q4 {us['q4']:8.1f} us ({weight_gbs:5.1f} GB/s, "
                 f"{r['bandwidth_fraction']:.2f}), bitmap {us['bitmap']:8.1f}, dense {us[dense_op]:8.1f} "
                 f"({dense_op}): x{r['q4_over_bitmap']:.2f} over bitmap, x{r['q4_over_dense']:.2f} over dense",
                 flush=True,
@@ -183,11 +199,11 @@ def markdown_header(meta: dict) -> list[str]:
 def markdown_table(subset: list[dict], threads: int, tokens: list[int]) -> list[str]:
     """One thread count's table: a line per layer, sparsity and group, a cell per M."""
     lines = [
-        f"### {threads} thread{'s' if threads > 1 else ''}: time per call (us), q4 / bitmap bf16 / dense "
-        "bf16, and q4's weight read rate at M=1",
+        f"### {threads} thread{'s' if threads > 1 else ''}: time per call (us), q4-int8 / q4 / bitmap bf16 / "
+        "dense bf16, and q4's weight read rate at M=1",
         "",
         "| model | layer | [n, k] | sparsity | G | q4 B/weight | "
-        + " | ".join(f"M={m} q4 / bitmap / dense" for m in tokens)
+        + " | ".join(f"M={m} q4-int8 / q4 / bitmap / dense" for m in tokens)
         + " | q4 over bitmap, M=1 | q4 over dense, M=1 | weight GB/s, M=1 | fraction, M=1 |",
         "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(tokens) + " --- | --- | --- | --- |",
     ]
@@ -206,7 +222,8 @@ def markdown_table(subset: list[dict], threads: int, tokens: list[int]) -> list[
         model, layer, shape, sparsity, group = key
         any_r = next(iter(by_m.values()))
         cells = [
-            f"{by_m[m]['q4_us']:.1f} / {by_m[m]['bitmap_us']:.1f} / {by_m[m]['dense_us']:.1f}"
+            f"{by_m[m]['q4_int8_us'] or float('nan'):.1f} / {by_m[m]['q4_us']:.1f} / "
+            f"{by_m[m]['bitmap_us']:.1f} / {by_m[m]['dense_us']:.1f}"
             if m in by_m
             else ""
             for m in tokens
@@ -242,10 +259,17 @@ def geometric_means(subset: list[dict], tokens: list[int], group: int) -> list[s
             for m in tokens
             if any(r["m"] == m for r in main)
         }
+        int8 = {
+            m: math.exp(statistics.fmean(math.log(r["q4_us"] / r["q4_int8_us"]) for r in main if r["m"] == m))
+            for m in geo
+            if all(r["q4_int8_us"] for r in main if r["m"] == m)
+        }
         lines.append(
             f"Geometric means over the layers, {sparsity:.0%}, G={group}: "
             + "; ".join(f"M={m} q4 {b:.2f}x bitmap, {d:.2f}x dense" for m, (b, d) in geo.items())
             + "."
+            + (" q4-int8 over q4: " + "; ".join(f"M={m} {v:.2f}x" for m, v in int8.items()) + "."
+               if int8 else "")
         )
     return lines
 

@@ -99,9 +99,10 @@ class Server:
     """A vLLM API server started, checked ready and stopped by `leapctl serve`'s own launcher
     (`running_command`: its own process group), its log in a file, its memory sampled while it runs."""
 
-    def __init__(self, command: list[str], log: Path, port: int, health: str = "/health") -> None:
+    def __init__(self, command: list[str], log: Path, port: int, health: str = "/health",
+                 env: dict[str, str] | None = None) -> None:
         self.base, self.port, self.command, self.log = f"http://127.0.0.1:{port}", port, command, log
-        self.health = health
+        self.health, self.env = health, env  # env: the server's whole environment (default server_env(1))
         self.process = None
         self.peak_rss = self.peak_pss = 0
         self._stop = threading.Event()
@@ -111,7 +112,7 @@ class Server:
     def running(self, ready_timeout_s: float = 1800):
         """Start the server and yield once it is ready; stop its whole process group on exit."""
         with open(self.log, "w") as log:
-            launch = running_command(self.command, self.port, log_file=log, cwd=REPO,
+            launch = running_command(self.command, self.port, env=self.env, log_file=log, cwd=REPO,
                                      ready_timeout_s=ready_timeout_s, health_path=self.health)
             with launch as process:
                 self.process = process

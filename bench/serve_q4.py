@@ -13,6 +13,7 @@ Servers, per model (each started, measured and stopped before the next; the mach
   llama.cpp's own converter (Q4_0 by its quantizer), `--n_threads 1`: vLLM binds its CPU worker to one core
   on this 2-core machine (the other is left to the API server), so llama.cpp gets one thread too;
 - `leapctl-q4-50`, `leapctl-q4-50-head4`, `leapctl-q4-60-head4`: `leapctl serve` on a bitmap-q4 export
+  with its default int8 activations (`-bf16x`: `--activations bf16`)
   (magnitude pruning at 50 or 60%, then `leapctl quantize --method rtn`, group 64; `-head4` with
   `--lm-head`, lm_head in 4 bits too). Speed depends on the density, not on which weights are kept; the
   quality of LEAP/GPTQ variants is bench/quality_q4.py's job.
@@ -51,13 +52,13 @@ from serve_cpu import (  # noqa: E402
 )
 from transformers import AutoTokenizer  # noqa: E402
 
-from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, server_command  # noqa: E402
+from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, server_command, server_env  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50",
-           "leapctl-q4-50-head4",
-           "leapctl-q4-60-head4")
+           "leapctl-q4-50-head4", "leapctl-q4-60-head4", "leapctl-q4-50-head4-bf16x",
+           "leapctl-q4-60-head4-bf16x")
 VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
 
 
@@ -91,7 +92,8 @@ def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head
 
 
 def commands(model: str, dense: Path, work: Path, args) -> dict:
-    """Server name -> (kind: vllm or llama.cpp, command_for(port)) for the servers asked for."""
+    """Server name -> (kind: vllm or llama.cpp, command_for(port), environment or None for the default)
+    for the servers asked for."""
     chosen = {}
     for server in args.servers:
         if server == "vllm-bf16":
@@ -102,20 +104,22 @@ def commands(model: str, dense: Path, work: Path, args) -> dict:
             kind = server.split("-", 1)[1]
             gguf = competitors.write_gguf(dense, work / f"{dense.name}.{kind}.gguf", kind)
             chosen[server] = ("llama.cpp", lambda port, gguf=gguf, log=work / f"{server}.log":
-                              competitors.start_llama_cpp_server(gguf, port, args.threads, log))
+                              competitors.start_llama_cpp_server(gguf, port, args.threads, log), None)
             continue
         elif server.startswith("leapctl-q4-"):
             sparsity = int(server.split("-")[2]) / 100
-            export = q4_export(dense, work, sparsity, args.group_size, server.endswith("-head4"))
+            export = q4_export(dense, work, sparsity, args.group_size, "-head4" in server)
+            activations = "bf16" if server.endswith("-bf16x") else "int8"
             chosen[server] = ("vllm", lambda port, export=export: server_command(
-                export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS]))
+                export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS]),
+                server_env(1, activations=activations))
             continue
         else:
             raise SystemExit(f"unknown server {server!r} (choose from {', '.join(SERVERS)})")
         chosen[server] = ("vllm", lambda port, folder=folder: [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port),
-            "--chat-template", PLAIN_CHAT_TEMPLATE, *VLLM_FLAGS])
+            "--chat-template", PLAIN_CHAT_TEMPLATE, *VLLM_FLAGS], None)
     return chosen
 
 
@@ -172,11 +176,11 @@ def one_stream_decode(server: Server, kind: str, texts: list, rounds: int, max_t
     return (max_tokens - 1) / (statistics.median(whole) - statistics.median(first))
 
 
-def measure(name: str, kind: str, command_for, args, texts: list, long_prompts: list) -> dict:
+def measure(name: str, kind: str, command_for, env, args, texts: list, long_prompts: list) -> dict:
     port = free_port()
     log = args.work / f"{name}.log"
     print(f"starting {name} (log {log})", flush=True)
-    server = Server(command_for(port), log, port, health="/v1/models")
+    server = Server(command_for(port), log, port, health="/v1/models", env=env)
     started = time.monotonic()
     with server.running():
         start_s = time.monotonic() - started
@@ -251,8 +255,8 @@ def main() -> None:
         cut_long = [rest[i * args.prefill_tokens:(i + 1) * args.prefill_tokens] for i in range(3)]
         texts = [(p, tokenizer.decode(p)) for p in cut]
         long_prompts = [(p, tokenizer.decode(p)) for p in cut_long]
-        results[model] = {name: measure(name, kind, command_for, args, texts, long_prompts)
-                          for name, (kind, command_for) in servers.items()}
+        results[model] = {name: measure(name, kind, command_for, env, args, texts, long_prompts)
+                          for name, (kind, command_for, env) in servers.items()}
     result = {"settings": settings(args), "load_before": load_before, "load_after": os.getloadavg()[0],
               "models": results}
     write_result(Path(args.out), result, markdown(result))

@@ -38,6 +38,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
 from serving.contract import QUANT_METHOD, SERVABLE_FORMATS, LeapSparseSettings
+from serving.huge_pages import huge_page_copy
 from serving.q4_linear import Q4Weight, bitmap_q4_linear
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
@@ -168,8 +169,10 @@ class LeapSparseLinearMethod(LinearMethodBase):
         if isinstance(weight, Q4Weight):
             self._hold_q4(layer, weight, device, dense_bytes)
             return
-        layer.bitmap = Parameter(weight.bitmap, requires_grad=False)
-        layer.values = Parameter(weight.values, requires_grad=False)
+        # On CPU the weights go onto huge pages (serving.huge_pages: fewer TLB misses while a decode step
+        # streams them); elsewhere huge_page_copy returns them as they are.
+        layer.bitmap = Parameter(huge_page_copy(weight.bitmap), requires_grad=False)
+        layer.values = Parameter(huge_page_copy(weight.values), requires_grad=False)
         layer.row_offsets = Parameter(weight.row_offsets, requires_grad=False)
         layer.leap_n_cols = weight.n_cols
         bytes_held = weight.nbytes()
@@ -187,8 +190,8 @@ class LeapSparseLinearMethod(LinearMethodBase):
                  dense_bytes: int) -> None:
         """bitmap-q4 stays as stored: the native CPU op reads it, elsewhere it is decoded per call."""
         for name, tensor in weight.tensors().items():
-            if name != "shape":
-                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+            if name != "shape":  # on huge pages on CPU, as in process_weights_after_loading
+                layer.register_parameter(name, Parameter(huge_page_copy(tensor), requires_grad=False))
         layer.leap_n_cols = weight.n_cols
         layer.leap_q4 = True
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()

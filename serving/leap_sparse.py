@@ -38,6 +38,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
 from serving.contract import QUANT_METHOD, SERVABLE_FORMATS, LeapSparseSettings
+from serving.huge_pages import huge_page_copy
 from serving.q4_linear import Q4Weight, bitmap_q4_linear
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
@@ -186,8 +187,10 @@ class LeapSparseLinearMethod(LinearMethodBase):
         if isinstance(weight, Q4Weight):
             self._hold_q4(layer, weight, device, dense_bytes)
             return
-        layer.bitmap = Parameter(weight.bitmap, requires_grad=False)
-        layer.values = Parameter(weight.values, requires_grad=False)
+        # On CPU the weights go onto huge pages (serving.huge_pages: fewer TLB misses while a decode step
+        # streams them); elsewhere huge_page_copy returns them as they are.
+        layer.bitmap = Parameter(huge_page_copy(weight.bitmap), requires_grad=False)
+        layer.values = Parameter(huge_page_copy(weight.values), requires_grad=False)
         layer.row_offsets = Parameter(weight.row_offsets, requires_grad=False)
         layer.leap_n_cols = weight.n_cols
         bytes_held = weight.nbytes()
@@ -204,7 +207,8 @@ class LeapSparseLinearMethod(LinearMethodBase):
     def _hold_q4(self, layer: torch.nn.Module, weight: Q4Weight, device: torch.device,
                  dense_bytes: int) -> None:
         """bitmap-q4 stays as stored: the native CPU op reads it, elsewhere it is decoded per call; with
-        int8 activations the native op reads the pair layout made from it here (the stored tensors freed)."""
+        int8 activations the native op reads the pair layout made from it here (the stored tensors freed).
+        On CPU either goes onto huge pages, as in process_weights_after_loading."""
         layer.leap_n_cols = weight.n_cols
         layer.leap_q4 = True
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
@@ -214,12 +218,12 @@ class LeapSparseLinearMethod(LinearMethodBase):
             pairs = weight.pairs()
             layer.leap_n_rows = pairs.n_rows
             for name, tensor in pairs.tensors().items():
-                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+                layer.register_parameter(name, Parameter(huge_page_copy(tensor), requires_grad=False))
             self.config.record_loaded_layer(pairs.nbytes(), dense_bytes)
             return
         for name, tensor in weight.tensors().items():
             if name != "shape":
-                layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+                layer.register_parameter(name, Parameter(huge_page_copy(tensor), requires_grad=False))
         self.config.record_loaded_layer(weight.nbytes(), dense_bytes)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,

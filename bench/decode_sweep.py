@@ -3,11 +3,14 @@ once in model order (cold: a step streams all the weights, 470 MB for the Llama-
 than the 32 MB L3) against each projection repeated in place (hot: what a per-layer micro-benchmark times).
 
     taskset -c 1 python bench/decode_sweep.py EXPORT [--threads 1] [--sweeps 12] [--pages both|huge|small]
+                                          [--activations bf16 int8]
 
 The layers are built as `leap_sparse` builds them (q/k/v and gate/up stacked, `Q4Weight.to`), each call is
-`torch.ops.leap_sparse_cpu.bitmap_q4_linear` with one bf16 row of x. `--pages both` holds the weights twice,
-on 4 KiB pages and on huge pages (`serving.huge_pages`, what the served layers use), and interleaves their
-sweeps. Prints ms per step: the cold sweep (median), its split by projection, and the hot estimate.
+`torch.ops.leap_sparse_cpu.bitmap_q4_linear` (`--activations bf16`) or, on the pair layout,
+`bitmap_q4_i8_linear` (`int8`, the served default) with one bf16 row of x. `--pages both` holds the weights
+twice, on 4 KiB pages and on huge pages (`serving.huge_pages`, what the served layers use); every arm
+(pages x activations) is held separately and the arms' sweeps interleave. Prints ms per step: the cold sweep
+(median), its split by projection, and the hot estimate.
 
 Measured 2026-11-25 (AMD EPYC, 1 thread on core 1, the other core busy with other jobs), llama-1b-shape
 mag50 q4 head4: cold 32.3 ms on 4 KiB pages, 31.1 on huge pages (lm_head 3.1 of it); hot 25.1. Inside vLLM
@@ -55,9 +58,15 @@ def load_layers(export: Path) -> list[tuple[str, Q4Weight]]:
     return layers
 
 
-def operands(weight: Q4Weight, huge: bool) -> tuple:
-    parts = (weight.bitmap, weight.codes, weight.scales, weight.row_offsets)
-    return tuple(huge_page_copy(t) for t in parts) if huge else tuple(t.clone() for t in parts)
+def call(weight: Q4Weight, huge: bool, activations: str):
+    """multiply(x) for one layer, its tensors held on huge or 4 KiB pages."""
+    place = huge_page_copy if huge else torch.clone
+    if activations == "int8":
+        pairs = weight.pairs()
+        parts = tuple(place(t) for t in pairs.tensors().values())
+        return lambda x: torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, *parts, pairs.n_rows, pairs.n_cols)
+    parts = tuple(place(t) for t in (weight.bitmap, weight.codes, weight.scales, weight.row_offsets))
+    return lambda x: torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, *parts, weight.n_cols, None)
 
 
 def main() -> None:
@@ -66,45 +75,45 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sweeps", type=int, default=12)
     parser.add_argument("--pages", choices=("both", "huge", "small"), default="both")
+    parser.add_argument("--activations", nargs="+", choices=("bf16", "int8"), default=["bf16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernel.load():
         raise SystemExit(f"native kernel unavailable: {cpu_kernel.unavailable_reason()}")
-    op = torch.ops.leap_sparse_cpu.bitmap_q4_linear
     layers = load_layers(args.export)
-    arms = {"small": args.pages in ("both", "small"), "huge": args.pages in ("both", "huge")}
-    held = {arm: [(kind, operands(w, arm == "huge"), w.n_cols) for kind, w in layers]
-            for arm, on in arms.items() if on}
+    pages = [p for p in ("small", "huge") if args.pages in ("both", p)]
+    held = {f"{p} pages, {a} x": [(kind, call(w, p == "huge", a), w.n_cols) for kind, w in layers]
+            for p in pages for a in args.activations}
     x = {n: torch.randn(1, n, dtype=torch.bfloat16) for n in {w.n_cols for _, w in layers}}
     sweeps = {arm: [] for arm in held}
     per_kind = {arm: {} for arm in held}
     for i in range(args.sweeps + 2):
         for arm, weights in held.items():
             start = time.perf_counter()
-            for kind, parts, n_cols in weights:
+            for kind, multiply, n_cols in weights:
                 begin = time.perf_counter()
-                op(x[n_cols], *parts, n_cols, None)
+                multiply(x[n_cols])
                 if i >= 2:
                     per_kind[arm].setdefault(kind, []).append(time.perf_counter() - begin)
             if i >= 2:  # the first two page the weights in
                 sweeps[arm].append(time.perf_counter() - start)
     for arm, times in sweeps.items():
         split = ", ".join(f"{kind} {sum(v) / args.sweeps * 1e3:.2f}" for kind, v in per_kind[arm].items())
-        print(f"cold sweep, {arm} pages: {statistics.median(times) * 1e3:.2f} ms per step ({split})")
-    hot = 0.0
-    arm = "huge" if "huge" in held else "small"
-    for kind in dict.fromkeys(k for k, _, _ in held[arm]):
-        count = sum(1 for k, _, _ in held[arm] if k == kind)
-        _, parts, n_cols = next(entry for entry in held[arm] if entry[0] == kind)
-        for _ in range(3):
-            op(x[n_cols], *parts, n_cols, None)
-        samples = []
-        for _ in range(20):
-            begin = time.perf_counter()
-            op(x[n_cols], *parts, n_cols, None)
-            samples.append(time.perf_counter() - begin)
-        hot += statistics.median(samples) * count
-    print(f"hot (each projection repeated in place, x layer count): {hot * 1e3:.2f} ms per step")
+        print(f"cold sweep, {arm}: {statistics.median(times) * 1e3:.2f} ms per step ({split})")
+    for arm, weights in held.items():
+        hot = 0.0
+        for kind in dict.fromkeys(k for k, _, _ in weights):
+            count = sum(1 for k, _, _ in weights if k == kind)
+            _, multiply, n_cols = next(entry for entry in weights if entry[0] == kind)
+            for _ in range(3):
+                multiply(x[n_cols])
+            samples = []
+            for _ in range(20):
+                begin = time.perf_counter()
+                multiply(x[n_cols])
+                samples.append(time.perf_counter() - begin)
+            hot += statistics.median(samples) * count
+        print(f"hot, {arm} (each projection repeated in place, x layer count): {hot * 1e3:.2f} ms per step")
 
 
 if __name__ == "__main__":

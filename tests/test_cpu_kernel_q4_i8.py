@@ -92,6 +92,25 @@ def test_every_m_and_density_matches_the_reference(op, threads, xdtype, shape):
             assert excess(got, x, dense, b, group) <= 0, f"{xdtype} density {density} M {m}"
 
 
+def test_fully_kept_weights_take_the_dense_layout(op, one_thread):
+    """Every weight kept (a 4-bit lm_head) and rows a whole number of blocks: the layout has no masks and the
+    kernel no expand; the results still match the reference, and the tiles decode to W exactly. One weight
+    dropped keeps the masked layout."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, 192, generator=gen)
+    for group in (64, 192):
+        t = FMT.encode(weight, torch.ones(16, 192, dtype=torch.bool), group_size=group)
+        pairs, dense = pairs_of(t), FMT.decode(t)
+        assert pairs.masks.numel() == 0
+        assert torch.equal(call(op, torch.eye(192), pairs).T, dense)
+        for m in range(1, 10):
+            x = torch.randn(m, 192).to(torch.bfloat16)
+            assert excess(call(op, x, pairs), x, dense, None, group) <= 0, (group, m)
+    mask = torch.ones(16, 192, dtype=torch.bool)
+    mask[7, 100] = False
+    assert pairs_of(FMT.encode(weight, mask)).masks.numel() > 0
+
+
 def test_a_flipped_code_or_scale_is_seen(op, one_thread):
     """The bound is tight enough to catch one wrong weight (a code's top bit: 8 levels; a doubled scale)."""
     t = encoded(9, 576, 0.5, 64, seed=3)

@@ -77,6 +77,24 @@ struct PairDecoder {
                                                         const_cast<uint64_t*>(mask)))));
     return w;
   }
+
+  // A pair with every weight kept (a dense layout: no mask, 32 code bytes): no expand.
+  inline __m512i full(const uint8_t* codes) const {
+    const __m512i w = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes));
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), levels);
+  }
+
+  // Pair q of row r of a block (masks: the block's, or nullptr for a dense layout); advances `codes`.
+  inline __m512i next(const uint8_t*& codes, const uint64_t* masks, int64_t q, int r) const {
+    if (masks == nullptr) {
+      const __m512i w = full(codes);
+      codes += 32;
+      return w;
+    }
+    const __m512i w = pair(codes, masks + q * kPairRows + r);
+    codes += kPairBytes.n[_mm_popcnt_u64(masks[q * kPairRows + r])];
+    return w;
+  }
 };
 
 // Software prefetch of the codes this many bytes ahead (one line per pair of the block's 4 rows). Measured on
@@ -87,7 +105,7 @@ constexpr int64_t kPrefetchBytes = 4096;
 
 // Block `b`'s rows for rows m0 .. m0 + M of x. GP: pairs per group (0: p.group_pairs, read at run time).
 // `scales` has room for kPairRows * M * groups floats.
-template <int M, int GP>
+template <int M, int GP, bool Dense>
 void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   constexpr int R = kPairRows;
   const PairDecoder dec;
@@ -111,11 +129,11 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  const uint64_t* masks = p.masks + b * pairs * R;
+  const uint64_t* masks = Dense ? nullptr : p.masks + b * pairs * R;
   const uint8_t* c = p.codes + p.block_offsets[b];
   const uint8_t* xm = p.x_magnitude + m0 * p.cols;
   const float* s = scales;
-  for (int64_t q = 0, j = 0; q < pairs; ++q, masks += R) {
+  for (int64_t q = 0, j = 0; q < pairs; ++q) {
     _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes, _MM_HINT_T0);
     __m512i xv[M];
     __mmask64 negative[M];
@@ -124,8 +142,7 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
       negative[m] = p.x_negative[(m0 + m) * pairs + q];
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.pair(c, masks + r);
-      c += kPairBytes.n[_mm_popcnt_u64(masks[r])];
+      const __m512i w = dec.next(c, masks, q, r);
       for (int m = 0; m < M; ++m) {
         const __m512i signed_w = _mm512_mask_sub_epi8(w, negative[m], _mm512_setzero_si512(), w);
         __m512i sum;
@@ -151,10 +168,11 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   }
 }
 
-template <int GP>
+template <int GP, bool Dense>
 void blocks(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   using Fn = void (*)(const Q4PairProblem&, int64_t, int64_t, float*);
-  static constexpr Fn kChunks[kPairChunkM] = {&block<1, GP>, &block<2, GP>, &block<3, GP>, &block<4, GP>};
+  static constexpr Fn kChunks[kPairChunkM] = {&block<1, GP, Dense>, &block<2, GP, Dense>, &block<3, GP, Dense>,
+                                              &block<4, GP, Dense>};
   float* scales = static_cast<float*>(std::aligned_alloc(64, ((kPairRows * kPairChunkM * p.groups + 15) / 16 + 1) * 64));
   for (int64_t b = block_begin; b < block_end; ++b) {
     // Above kPairChunkM rows of x, the block's later chunks decode it again from L1/L2.
@@ -185,8 +203,10 @@ inline __m512 quarter(__m512i w) {
 
 void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   // G = 64 (the default) with its group's single pair unrolled; other group sizes read it at run time.
-  if (p.group_pairs == 1) return blocks<1>(p, block_begin, block_end);
-  blocks<0>(p, block_begin, block_end);
+  const bool dense = p.masks == nullptr;
+  if (p.group_pairs == 1) return dense ? blocks<1, true>(p, block_begin, block_end)
+                                       : blocks<1, false>(p, block_begin, block_end);
+  dense ? blocks<0, true>(p, block_begin, block_end) : blocks<0, false>(p, block_begin, block_end);
 }
 
 void quantize_x_avx512(DType dtype, const void* x, int64_t row_stride, int64_t m, int64_t cols, int64_t block,
@@ -225,13 +245,12 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
   const PairDecoder dec;
   const int64_t pairs = p.cols / 64;
   for (int64_t b = block_begin; b < block_end; ++b) {
-    const uint64_t* masks = p.masks + b * pairs * kPairRows;
+    const uint64_t* masks = p.masks == nullptr ? nullptr : p.masks + b * pairs * kPairRows;
     const uint8_t* c = p.codes + p.block_offsets[b];
     const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
-    for (int64_t q = 0; q < pairs; ++q, masks += kPairRows) {
-      for (int64_t r = 0; r < kPairRows; ++r) {
-        const __m512i w = dec.pair(c, masks + r);
-        c += kPairBytes.n[_mm_popcnt_u64(masks[r])];
+    for (int64_t q = 0; q < pairs; ++q) {
+      for (int r = 0; r < kPairRows; ++r) {
+        const __m512i w = dec.next(c, masks, q, r);
         if (r >= real) continue;
         // s * (code - 7.5) = (0.5 s) * (2 code - 15): exact in fp32 (an fp16 times a small odd integer).
         const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));

@@ -124,7 +124,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
       }
     }
   });
-  return {masks, packed, block_offsets, block_scales};
+  // Every weight kept (rows a whole number of blocks): the dense layout, without masks.
+  const bool dense = rows % kPairRows == 0 && std::all_of(mask_data, mask_data + masks.numel(),
+                                                           [](uint64_t mask) { return mask == ~uint64_t{0}; });
+  return {dense ? masks.new_empty({0}) : masks, packed, block_offsets, block_scales};
 }
 
 at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
@@ -146,7 +149,9 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
                   (n_cols / scales.size(1)) % 64 == 0,
               kOp, ": scales must be float16 [blocks, groups, ", kPairRows, "] with groups of a multiple of 64 "
               "columns (the pair layout, bitmap_q4_pack_pairs)");
-  TORCH_CHECK(masks.scalar_type() == at::kLong && masks.numel() == blocks * (n_cols / 64) * kPairRows &&
+  const bool dense = masks.numel() == 0;
+  TORCH_CHECK(masks.scalar_type() == at::kLong &&
+                  (dense ? rows % kPairRows == 0 : masks.numel() == blocks * (n_cols / 64) * kPairRows) &&
                   codes.scalar_type() == at::kByte && codes.dim() == 1 && codes.numel() >= kPairPad &&
                   block_offsets.scalar_type() == at::kLong && block_offsets.numel() == blocks,
               kOp, ": masks, codes and block_offsets must be the pair layout (bitmap_q4_pack_pairs)");
@@ -165,7 +170,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
 
   Q4PairProblem p{};
   p.dtype = x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32;
-  p.masks = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
+  p.masks = dense ? nullptr : reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
   p.codes = code.data_ptr<uint8_t>();
   p.block_offsets = offsets.data_ptr<int64_t>();
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
@@ -177,7 +182,8 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
   p.y = y.data_ptr();
   p.y_stride = rows;
-  TORCH_CHECK(p.block_offsets[0] == 0 && p.block_offsets[blocks - 1] <= code.numel() - kPairPad, kOp,
+  TORCH_CHECK(p.block_offsets[0] == 0 && p.block_offsets[blocks - 1] <= code.numel() - kPairPad &&
+                  (!dense || code.numel() == blocks * kPairRows * (n_cols / 2) + kPairPad), kOp,
               ": block_offsets do not fit the codes (make them with bitmap_q4_pack_pairs)");
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
 

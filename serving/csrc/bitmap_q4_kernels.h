@@ -67,7 +67,8 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 // The pair layout, made from the stored one once at load (bitmap_q4_pack_pairs in bitmap_q4_i8_linear.cpp):
 // rows in blocks of kPairRows (the last block padded with empty rows), each block's data in the order the
 // kernel reads it, so that it streams from two sequential arrays with one pointer each:
-// - masks: per block, pair (64 columns) and row of the block, the pair's 64-bit mask;
+// - masks: per block, pair (64 columns) and row of the block, the pair's 64-bit mask; none (a dense layout,
+//   every pair's 32 code bytes, no expand) when every weight is kept (a 4-bit lm_head);
 // - codes: per block, pair and row, that row's kept codes of the pair (the k-th in byte k/2, low nibble for
 //   even k), padded to a byte; block_offsets[b] is block b's first code byte, and kPairPad zero bytes
 //   follow the last one;
@@ -88,7 +89,7 @@ struct Q8Rows {
 
 struct Q4PairProblem {
   DType dtype;                    // of y: bf16 or fp32
-  const uint64_t* masks;          // [blocks, cols / 64, kPairRows]
+  const uint64_t* masks;          // [blocks, cols / 64, kPairRows], or nullptr: the dense layout
   const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
   const int64_t* block_offsets;   // [blocks]
   const uint16_t* scales;         // fp16 [blocks, groups, kPairRows]

@@ -325,6 +325,22 @@ def test_the_api_key_goes_to_vllm_through_its_environment(tmp_path):
     assert server_env(1, "secret-key")["VLLM_API_KEY"] == "secret-key"
 
 
+def test_activations_reach_the_plugin_through_the_server_environment(servable_export, capsys, monkeypatch):
+    """`--activations` (default int8) becomes LEAP_SPARSE_ACTIVATIONS for vLLM, which the plugin's settings
+    read over the checkpoint's config; a value it does not know exits 2 with one line before anything
+    starts."""
+    from serving.contract import ACTIVATIONS_ENV, LeapSparseSettings
+
+    assert server_env(1)[ACTIVATIONS_ENV] == "int8"
+    assert server_env(1, activations="bf16")[ACTIVATIONS_ENV] == "bf16"
+    config = LeapSparseSettings("bitmap-q4", 0.5).to_config()
+    assert LeapSparseSettings.from_config(config, {ACTIVATIONS_ENV: "bf16"}).activations == "bf16"
+    assert LeapSparseSettings.from_config(config, {}).activations == "int8"
+    status, stderr = run_cli(capsys, monkeypatch, str(servable_export), "--activations", "fp8")
+    assert status == 2, stderr
+    assert stderr.strip().splitlines() == ["error: --activations must be int8 or bf16, got 'fp8'"]
+
+
 @pytest.fixture(scope="module")
 def servable_export(stories260k_dir, tmp_path_factory):
     """A bitmap export that passes every check serve makes before starting vLLM (head size 32)."""

@@ -119,8 +119,14 @@ def test_a_flipped_code_or_scale_is_seen(op, one_thread):
     flipped["codes"][int(t["row_offsets"][4]) + 5] ^= 0x80
     rescaled = dict(t, scales=t["scales"].clone())
     rescaled["scales"][6, 3] *= 2
+    flipped_column = int((FMT.decode(flipped) != dense)[4].nonzero()[0, 0])
     for m in (1, 4, 8, 9):
-        x = torch.randn(m, 576).to(torch.bfloat16)
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        # x large where the changes act: a random x near 0 there (or a group summing to near 0) could hide
+        # them inside the bound.
+        x[:, flipped_column] = 4.0
+        x[:, 192:256] = 2 * dense[6, 192:256].sign()
+        x = x.to(torch.bfloat16)
         assert excess(call(op, x, pairs_of(t)), x, dense, None, 64) <= 0
         assert excess(call(op, x, pairs_of(flipped)), x, dense, None, 64) > 0, m
         assert excess(call(op, x, pairs_of(rescaled)), x, dense, None, 64) > 0, m

@@ -169,19 +169,13 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
 
   Q4PairProblem p{};
-  p.dtype = x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32;
+  set_operands(p, x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32, rows, n_cols, m, bias32, y);
   p.masks = dense ? nullptr : reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
   p.codes = code.data_ptr<uint8_t>();
   p.block_offsets = offsets.data_ptr<int64_t>();
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   p.groups = scale.size(1);
   p.group_pairs = n_cols / p.groups / 64;
-  p.rows = rows;
-  p.cols = n_cols;
-  p.m = m;
-  p.bias = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
-  p.y = y.data_ptr();
-  p.y_stride = rows;
   TORCH_CHECK(p.block_offsets[0] == 0 && p.block_offsets[blocks - 1] <= code.numel() - kPairPad &&
                   (!dense || code.numel() == blocks * kPairRows * (n_cols / 2) + kPairPad), kOp,
               ": block_offsets do not fit the codes (make them with bitmap_q4_pack_pairs)");

@@ -113,14 +113,17 @@ class LeapSparseConfig(QuantizationConfig):
         self._compute = f"compressed, native CPU kernel ({cpu_kernel.current_isa()})"
         return True
 
-    def int8_activations(self, weight: Q4Weight) -> bool:
+    def int8_activations(self, weight: Q4Weight, dtype: torch.dtype) -> bool:
         """Whether a native CPU bitmap-q4 layer multiplies decoding steps with int8 x: asked for
-        (`activations`), groups of whole 64-column pairs, and a CPU with the int8 kernel's instructions
-        (else the layer multiplies bf16 x, and the load summary says so)."""
+        (`activations`), groups of whole 64-column pairs, a bf16 or fp32 model, and a CPU with the int8
+        kernel's instructions (else the layer multiplies x as it is, and the load summary says so)."""
         if self.activations != "int8":
             return False
-        if weight.group_size % 64 or not cpu_kernel.int8_kernel_available():
-            self._compute_int8 = "bf16 x (int8 x needs groups of 64k columns and AVX-512 VNNI, VBMI2)"
+        if weight.group_size % 64 or dtype not in (torch.bfloat16, torch.float32):
+            self._compute_int8 = "x as it is (int8 x needs groups of a multiple of 64 columns, bf16 or fp32)"
+            return False
+        if not cpu_kernel.int8_kernel_available():
+            self._compute_int8 = "x as it is (int8 x needs AVX-512 VNNI, VBMI and VBMI2)"
             return False
         return True
 
@@ -212,8 +215,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_n_cols = weight.n_cols
         layer.leap_q4 = True
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
-        layer.leap_pairs = (layer.leap_native and layer.leap_params_dtype in (torch.bfloat16, torch.float32)
-                            and self.config.int8_activations(weight))
+        layer.leap_pairs = layer.leap_native and self.config.int8_activations(weight, layer.leap_params_dtype)
         if layer.leap_pairs:
             pairs = weight.pairs()
             layer.leap_n_rows = pairs.n_rows

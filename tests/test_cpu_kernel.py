@@ -58,13 +58,17 @@ def call(op, x, weight: BitmapWeight, bias=None):
 
 def check_close(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, what: str) -> None:
     """Per output: a rounding of x W^T and one of the result to the output dtype (above 40 rows the
-    dense GEMM may round the product before adding the bias) plus the fp32 summation bound
-    K * 2^-23 * sum |x w|."""
+    dense GEMM may round the product before adding the bias), the fp32 summation bound
+    K * 2^-23 * sum |x w|, and the dtype's subnormal spacing."""
     product = x.double() @ dense.double().T
     expected = product + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ dense.double().abs().T
     ulp = 2.0 ** (1 - MANTISSA_BITS[got.dtype])
-    bound = ulp * (expected.abs() + product.abs()) + max(dense.shape[1], 1) * 2.0 ** -23 * magnitude + 1e-30
+    # plus the spacing of the output dtype's subnormals: a tiny result (one column, fp16) rounds to a
+    # multiple of it, an absolute error no relative bound covers
+    subnormal = torch.finfo(got.dtype).smallest_normal * ulp
+    summing = max(dense.shape[1], 1) * 2.0**-23 * magnitude
+    bound = ulp * (expected.abs() + product.abs()) + summing + subnormal
     excess = ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
     assert excess <= 0, f"{what}: error exceeds the bound by {excess:.3g}"
 

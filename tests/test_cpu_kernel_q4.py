@@ -63,7 +63,9 @@ def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias) -> flo
     summing = dense.shape[1] * 2.0**-23 * magnitude
     if x.dtype == torch.bfloat16 and x.reshape(-1, x.shape[-1]).shape[0] > SPARSE_MAX_M:
         summing = summing + 2.0**-9 * magnitude
-    bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + 1e-30
+    # the output dtype's subnormal spacing: a tiny fp16 result rounds to a multiple of it
+    subnormal = torch.finfo(got.dtype).smallest_normal * 2.0 ** (1 - SIGNIFICANT_BITS[got.dtype])
+    bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + subnormal
     return ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
 
 

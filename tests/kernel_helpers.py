@@ -1,6 +1,7 @@
-"""What the tests of the native CPU ops (test_cpu_kernel.py, test_cpu_kernel_q4.py) share besides the
-`isa` and `threads` fixtures of conftest.py: the x86-64 mark, a child Python process, and the checks both
-ops pass alike (thread count, torch.compile)."""
+"""What the tests of the native CPU ops (test_cpu_kernel.py, test_cpu_kernel_q4.py, test_cpu_kernel_q4_i8.py)
+share besides the `isa` and `threads` fixtures of conftest.py: the x86-64 mark, a child Python process, the
+checks the ops pass alike (thread count, torch.compile) and the corrupted bitmap-q4 weights both 4-bit ops
+must be seen to multiply wrongly."""
 
 import os
 import platform
@@ -52,3 +53,25 @@ def assert_opaque_under_compile(op, args: tuple, multiply: Callable[[torch.Tenso
     for m in (3, 5):
         x = torch.randn(m, dense.shape[1])
         torch.testing.assert_close(compiled(x), torch.relu(rounded(x) @ dense.T))
+
+
+def corrupted_q4(t: dict[str, torch.Tensor], dense: torch.Tensor):
+    """(flipped, rescaled, x_for) for a bitmap-q4 weight of at least 7 rows and 256 columns in groups of 64
+    (`dense`: it decoded): one code's top bit flipped in row 4 (8 levels), group 3's scale of row 6 doubled,
+    and x_for(m), seeded bf16 rows of x that are large where those changes act (a random x near 0 there, or
+    a group summing to near 0, could hide them inside an error bound)."""
+    from sparse_formats import get_format
+
+    flipped = dict(t, codes=t["codes"].clone())
+    flipped["codes"][int(t["row_offsets"][4]) + 5] ^= 0x80
+    rescaled = dict(t, scales=t["scales"].clone())
+    rescaled["scales"][6, 3] *= 2
+    flipped_column = int((get_format("bitmap-q4").decode(flipped) != dense)[4].nonzero()[0, 0])
+
+    def x_for(m: int) -> torch.Tensor:
+        x = torch.randn(m, dense.shape[1], generator=torch.Generator().manual_seed(m))
+        x[:, flipped_column] = 4.0
+        x[:, 192:256] = 2 * dense[6, 192:256].sign()
+        return x.to(torch.bfloat16)
+
+    return flipped, rescaled, x_for

@@ -7,7 +7,13 @@ groups of 64 and 128 columns, row counts that are not a multiple of the layout's
 
 import pytest
 import torch
-from kernel_helpers import X86_ONLY, assert_opaque_under_compile, assert_threads_agree, run_python
+from kernel_helpers import (
+    X86_ONLY,
+    assert_opaque_under_compile,
+    assert_threads_agree,
+    corrupted_q4,
+    run_python,
+)
 
 from serving import cpu_kernel
 from serving.q4_linear import INT8_MAX_ROWS, Q4Weight, int8_activations
@@ -115,18 +121,9 @@ def test_a_flipped_code_or_scale_is_seen(op, one_thread):
     """The bound is tight enough to catch one wrong weight (a code's top bit: 8 levels; a doubled scale)."""
     t = encoded(9, 576, 0.5, 64, seed=3)
     dense = FMT.decode(t)
-    flipped = dict(t, codes=t["codes"].clone())
-    flipped["codes"][int(t["row_offsets"][4]) + 5] ^= 0x80
-    rescaled = dict(t, scales=t["scales"].clone())
-    rescaled["scales"][6, 3] *= 2
-    flipped_column = int((FMT.decode(flipped) != dense)[4].nonzero()[0, 0])
+    flipped, rescaled, x_for = corrupted_q4(t, dense)
     for m in (1, 4, 8, 9):
-        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
-        # x large where the changes act: a random x near 0 there (or a group summing to near 0) could hide
-        # them inside the bound.
-        x[:, flipped_column] = 4.0
-        x[:, 192:256] = 2 * dense[6, 192:256].sign()
-        x = x.to(torch.bfloat16)
+        x = x_for(m)
         assert excess(call(op, x, pairs_of(t)), x, dense, None, 64) <= 0
         assert excess(call(op, x, pairs_of(flipped)), x, dense, None, 64) > 0, m
         assert excess(call(op, x, pairs_of(rescaled)), x, dense, None, 64) > 0, m

@@ -11,9 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -195,26 +193,13 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     return y;
   }
 
-  // Prefill: x as it is against exact tiles (bf16-rounded for bf16 x, as bitmap_q4_linear does).
-  const bool bf16_gemm = x.scalar_type() == at::kBFloat16;
+  // Prefill: x as it is against exact tiles (bf16-rounded for bf16 x), whole blocks of rows per tile.
   const int64_t tile_blocks = std::clamp<int64_t>(kTileBytes / (n_cols * 4 * kPairRows), 4, blocks);
-  at::Tensor tile = at::empty({tile_blocks * kPairRows, n_cols}, x.options().dtype(at::kFloat));
-  float* tile_data = tile.data_ptr<float>();
-  std::optional<at::Tensor> bias_g;
-  if (bias.has_value()) bias_g = bf16_gemm ? bias->to(at::kBFloat16).contiguous() : *bias32;
-  at::Tensor y2 = y.view({m, rows});
-  for (int64_t first = 0; first < blocks; first += tile_blocks) {
-    const int64_t last = std::min(blocks, first + tile_blocks);
-    at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
-      q4_pairs_decode_blocks_avx512(p, begin, end, tile_data + (begin - first) * kPairRows * n_cols, n_cols);
+  tiled_gemm(x2, bias, rows, tile_blocks * kPairRows, y, [&](int64_t first, int64_t last, float* tile) {
+    at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
+      q4_pairs_decode_blocks_avx512(p, begin, end, tile + (begin * kPairRows - first) * n_cols, n_cols);
     });
-    const int64_t row0 = first * kPairRows, row1 = std::min(rows, last * kPairRows);
-    at::Tensor w = tile.narrow(0, 0, row1 - row0);
-    if (bf16_gemm) w = w.to(at::kBFloat16);
-    y2.narrow(1, row0, row1 - row0)
-        .copy_(bias_g.has_value() ? at::addmm(bias_g->narrow(0, row0, row1 - row0), x2, w.t())
-                                  : at::mm(x2, w.t()));
-  }
+  });
   return y;
 }
 

@@ -11,9 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -151,29 +149,14 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
     return y;
   }
 
-  // fp32 tiles decoded exactly; with bf16 x (what vLLM serves) they are rounded to bf16 for ATen's bf16
-  // GEMM, as a dense bf16 model's weights are: the fp32 GEMM took a 400-token prefill of SmolLM2 from
-  // 0.25 s (stock vLLM, bf16) to 0.91 s. fp16 and fp32 x multiply the exact fp32 tile.
+  // Exact fp32 tiles and ATen's GEMM (bf16-rounded tiles for bf16 x).
   const auto decode = isa == Q4Isa::Avx512 ? q4_decode_rows_avx512 : q4_decode_rows_avx2;
-  const bool bf16_gemm = x.scalar_type() == at::kBFloat16;
   const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (n_cols * 4), 16, rows);
-  at::Tensor tile = at::empty({tile_rows, n_cols}, x.options().dtype(at::kFloat));
-  float* tile_data = tile.data_ptr<float>();
-  const at::Tensor xg = bf16_gemm ? x2 : x2.to(at::kFloat);
-  std::optional<at::Tensor> bias_g;  // the bias in the GEMM's dtype (F.linear adds it in the output dtype)
-  if (bias.has_value()) bias_g = bf16_gemm ? bias->to(at::kBFloat16).contiguous() : *bias32;
-  at::Tensor y2 = y.view({m, rows});
-  for (int64_t first = 0; first < rows; first += tile_rows) {
-    const int64_t last = std::min(rows, first + tile_rows);
+  tiled_gemm(x2, bias, rows, tile_rows, y, [&](int64_t first, int64_t last, float* tile) {
     parallel_rows(first, last, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
-      decode(p, in_tail ? padded : whole, begin, end, tile_data + (begin - first) * n_cols, n_cols);
+      decode(p, in_tail ? padded : whole, begin, end, tile + (begin - first) * n_cols, n_cols);
     });
-    at::Tensor w = tile.narrow(0, 0, last - first);
-    if (bf16_gemm) w = w.to(at::kBFloat16);
-    y2.narrow(1, first, last - first)
-        .copy_(bias_g.has_value() ? at::addmm(bias_g->narrow(0, first, last - first), xg, w.t())
-                                  : at::mm(xg, w.t()));
-  }
+  });
   return y;
 }
 

@@ -65,6 +65,54 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs():
     assert float((x @ gptq.T - target).norm()) < 0.7 * float((x @ rtn.T - target).norm())
 
 
+def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_dir):
+    """Property: tuning may change a group's scale, never a code or a mask, and it lowers the KL to the dense
+    model it minimises (measured on the calibration windows before and after)."""
+    from test_serve_cli import magnitude_masks
+
+    from leapctl.learn.loss import language_model_and_distillation
+    from leapctl.masks import MaskSet, apply_masks
+    from leapctl.models import load_model
+    from leapctl.quantize import quantize_model
+    from leapctl.quantize.tune import normalisation_weights, tune_scales
+    from sparse_formats.bitmap_q4 import GRID_OFFSET
+
+    torch.manual_seed(0)
+    teacher, _ = load_model(str(stories260k_dir), dtype=torch.float32)
+    model, _ = load_model(str(stories260k_dir), dtype=torch.float32)
+    masks = {name: mask for name, mask in magnitude_masks(model, 0.5).items() if "down_proj" not in name}
+    mask_set = MaskSet(masks=masks, model=str(stories260k_dir))
+    apply_masks(model, mask_set)
+    scales = quantize_model(model, mask_set, "rtn", 64)
+
+    def codes(name: str, layer_scales: torch.Tensor) -> torch.Tensor:
+        weight = model.get_submodule(name.removesuffix(".weight")).weight
+        spread = layer_scales.float().repeat_interleave(64, dim=1)
+        return torch.where(masks[name], weight / spread + GRID_OFFSET, torch.full((), -1.0))
+
+    before = {name: codes(name, s) for name, s in scales.items()}
+    norms_before = [w.detach().clone() for w in normalisation_weights(model)]
+    ids = torch.randint(0, teacher.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+
+    def kl() -> float:
+        with torch.no_grad():
+            return float(language_model_and_distillation(model(ids).logits, teacher(ids).logits, ids)[1])
+
+    start = kl()
+    result = tune_scales(model, teacher, scales, ids, steps=40, lr=3e-3, batch_size=8, progress=False)
+    assert kl() < 0.9 * start
+    assert result.norms == len(norms_before) > 0
+    assert any(not torch.equal(a, b) for a, b in zip(norms_before, normalisation_weights(model), strict=True))
+    changed = 0
+    for name, layer_scales in result.scales.items():
+        assert layer_scales.dtype == torch.float16
+        assert torch.equal(codes(name, layer_scales), before[name])  # same codes, exactly, on the new scales
+        changed += int((layer_scales != scales[name]).sum())
+        Q4.encode(model.get_submodule(name.removesuffix(".weight")).weight.detach(), masks[name],
+                  scales=layer_scales)
+    assert changed > 0
+
+
 # ---------------------------------------------------------------- the command, on stories260K
 
 
@@ -111,6 +159,15 @@ def test_a_quantized_run_keeps_the_masks_and_sits_on_its_grid(wanda_run, quantiz
     for name, mask in run.masks.masks.items():
         Q4.encode(weights[name], mask, scales=run.scales[name])
         assert bool((weights[name][~mask] == 0).all())
+
+
+def test_the_default_tuning_is_reported_and_plotted(quantized_run):
+    from leapctl.quantize.config import QuantizeConfig
+
+    tuning = json.loads((quantized_run / "report.json").read_text())["tuning"]
+    assert len(tuning["kl"]) == tuning["steps"] == QuantizeConfig.tune_steps > 0
+    assert tuning["kl_last_10"] < tuning["kl_first"]
+    assert (quantized_run / "tune_kl.png").stat().st_size > 0
 
 
 def test_the_export_validates_against_the_quantized_run(q4_export):
@@ -172,6 +229,7 @@ def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, kind, message
     (["--bits", "3"], "--bits 3 is not supported"),
     (["--group-size", "48"], "multiple of 32"),
     (["--method", "awq"], "unknown --method"),
+    (["--tune-steps", "-1"], "--tune-steps must be >= 0"),
 ])
 def test_bad_options_exit_2_with_one_line_and_write_nothing(wanda_run, tmp_path, args, message):
     out = tmp_path / "never"

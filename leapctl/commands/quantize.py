@@ -22,6 +22,7 @@ def run(config: QuantizeConfig) -> dict:
 
     from leapctl.data import calibration_batch
     from leapctl.errors import LeapctlError
+    from leapctl.learn.plots import plot_curve
     from leapctl.masks import MaskSet
     from leapctl.models import load_model
     from leapctl.outdir import atomic_output_dir, check_output_dir
@@ -43,7 +44,7 @@ def run(config: QuantizeConfig) -> dict:
     check_group_size(source.masks, config.group_size)
     model, tokenizer = load_model(str(source.path), dtype=torch.float32)
     calib_ids, calibration = None, None
-    if config.method == "gptq":
+    if config.method == "gptq" or config.tune_steps:
         calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
                                       model=model, text_field=config.text_field)
         calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
@@ -54,16 +55,48 @@ def run(config: QuantizeConfig) -> dict:
     scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
     if config.lm_head:
         scales[LM_HEAD] = quantize_lm_head(model, config.group_size)
+    quantize_seconds = time.perf_counter() - started
+    tuning = None
+    if config.tune_steps:
+        scales, tuning = tune(model, source.masks.model, scales, calib_ids, config)
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "quantization": quantization_entry(config.bits, config.group_size, config.method,
                                                  config.lm_head),
-              "calibration": calibration, "device": config.device,
-              "quantize_seconds": round(time.perf_counter() - started, 3)}
+              "calibration": calibration, "tuning": tuning, "device": config.device,
+              "quantize_seconds": round(quantize_seconds, 3)}
     mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
                        extra={**source.masks.extra, "quantized": config.method})
     with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
-        return save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
+        saved = save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
+        if tuning is not None:
+            plot_curve(tuning["kl"], "tuning step", "KL(dense || quantized)", "scale tuning", tmp / TUNE_PLOT)
+        return saved
+
+
+TUNE_PLOT = "tune_kl.png"
+
+
+def tune(model, teacher_spec: str, scales: dict, calib_ids, config: QuantizeConfig) -> tuple[dict, dict]:
+    """The scales after end-to-end tuning against the dense model `teacher_spec`, and the report's entry."""
+    import torch
+
+    from leapctl.compute import resolve_device
+    from leapctl.models import load_model
+    from leapctl.quantize.tune import tune_scales
+
+    started = time.perf_counter()
+    device = resolve_device(config.device)
+    teacher, _ = load_model(teacher_spec, dtype=torch.float32)
+    result = tune_scales(model.to(device), teacher.to(device), scales, calib_ids, config.tune_steps,
+                         config.tune_lr, config.batch_size, config.seed, config.progress)
+    model.cpu()
+    last = result.kl[-10:]
+    entry = {"steps": config.tune_steps, "lr": config.tune_lr, "batch_size": config.batch_size,
+             "teacher": teacher_spec, "normalisation_weights": result.norms,
+             "kl_first": round(result.kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
+             "kl": [round(v, 5) for v in result.kl], "seconds": round(time.perf_counter() - started, 3)}
+    return result.scales, entry
 
 
 def main(config: QuantizeConfig) -> int:

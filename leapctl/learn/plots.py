@@ -48,3 +48,16 @@ def plot_losses(metrics: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_curve(values: list[float], xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    """One training curve (for example `quantize`'s scale tuning: KL per step)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(values)), values, color="tab:blue")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -26,14 +26,18 @@ class QuantizeConfig:
                                    "kept; a tied input embedding shares its values): on small models it is "
                                    "a large share of the bytes a decode step reads.",
                             flag="--lm-head/--no-lm-head")
-    calib: str = setting("wiki-summaries", "Calibration text for gptq: file, folder, .jsonl, saved dataset, "
-                                           "wiki-summaries or generated.")
-    nsamples: int = setting(128, "Calibration sequences (gptq).")
-    seq_len: int = setting(512, "Tokens per calibration sequence (gptq).")
+    tune_steps: int = setting(200, "Steps of end-to-end scale tuning after quantizing: every group scale and "
+                                   "normalisation weight learned by distillation from the dense model, "
+                                   "codes and masks fixed (0: none).")
+    tune_lr: float = setting(1e-3, "Adam learning rate of the scale tuning (on log-scales; cosine to 0).")
+    calib: str = setting("wiki-summaries", "Calibration text for gptq and tuning: file, folder, .jsonl, "
+                                           "saved dataset, wiki-summaries or generated.")
+    nsamples: int = setting(128, "Calibration sequences (gptq and tuning).")
+    seq_len: int = setting(512, "Tokens per calibration sequence (gptq and tuning).")
     seed: int = setting(0, "Seed of the calibration windows (or generated samples).")
     text_field: str = setting("text", "Text field of JSONL or dataset sources.")
     device: str = setting("auto", f"Where each block is computed: {DEVICE_HELP}.")
-    batch_size: int = setting(8, "Calibration sequences per block forward.")
+    batch_size: int = setting(8, "Calibration sequences per block forward (gptq) and per tuning step.")
     overwrite: bool = setting(False, "Replace a non-empty output folder.", flag="--overwrite")
     progress: bool = setting(True, "Show progress bars.")
 
@@ -46,5 +50,7 @@ class QuantizeConfig:
             raise LeapctlError(f"--group-size must be a positive multiple of 32, got {self.group_size}")
         if self.method not in METHODS:
             raise LeapctlError(f"unknown --method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.tune_steps < 0 or not self.tune_lr > 0:
+            raise LeapctlError("--tune-steps must be >= 0 and --tune-lr > 0")
         if self.nsamples < 1 or self.seq_len < 2 or self.batch_size < 1:
             raise LeapctlError("--nsamples and --batch-size must be >= 1 and --seq-len >= 2")

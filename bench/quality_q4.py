@@ -1,6 +1,7 @@
 """Which order gives the best 4-bit sparse model: prune (Wanda or LEAP) with 16-bit values, then quantize the
 kept weights (round to nearest or GPTQ with the mask fixed), or quantize first and learn the LEAP mask
-against the quantized weights (`learn --bits 4`). Every variant goes through the CLI a user would run, at
+against the quantized weights (`learn --bits 4`); and what `quantize`'s end-to-end scale tuning (its default,
+`--tune-steps 200`) adds to LEAP + GPTQ; the other quantized variants run with `--tune-steps 0`. Every variant goes through the CLI a user would run, at
 the same budget, and is scored by `leapctl eval` perplexity on held-out text.
 
     python bench/quality_q4.py                       # stories260K (fp32-trained; about 20 min on 2 cores)
@@ -114,7 +115,8 @@ def main() -> None:
     dense = work / "dense-run"
     if not (dense / "report.json").is_file():
         dense_run(args.model, args.exclude, dense)
-    q = ["--group-size", str(args.group_size), "--overwrite"]
+    q = ["--group-size", str(args.group_size), "--tune-steps", "0", "--overwrite"]
+    tuned = ["--group-size", str(args.group_size), "--overwrite"]  # quantize's default: scale tuning on
     make("dense + rtn", "quantize", str(dense), "--method", "rtn", *q)
     make("dense + gptq", "quantize", str(dense), "--method", "gptq", *common, *q)
 
@@ -124,6 +126,7 @@ def main() -> None:
     for source in ("wanda", "leap"):
         make(f"{source} + rtn", "quantize", str(work / source), "--method", "rtn", *q)
         make(f"{source} + gptq", "quantize", str(work / source), "--method", "gptq", *common, *q)
+    make("leap + gptq + tuned scales", "quantize", str(work / "leap"), "--method", "gptq", *common, *tuned)
     if args.lm_head:
         make("leap + gptq, lm_head 4-bit", "quantize", str(work / "leap"), "--method", "gptq", "--lm-head",
              *common, *q)

@@ -1,8 +1,9 @@
 """Which order gives the best 4-bit sparse model: prune (Wanda or LEAP) with 16-bit values, then quantize the
 kept weights (round to nearest or GPTQ with the mask fixed), or quantize first and learn the LEAP mask
-against the quantized weights (`learn --bits 4`); and what `quantize`'s end-to-end scale tuning (its default,
-`--tune-steps 200`) adds to LEAP + GPTQ; the other quantized variants run with `--tune-steps 0`. Every variant goes through the CLI a user would run, at
-the same budget, and is scored by `leapctl eval` perplexity on held-out text.
+against the quantized weights (`learn --bits 4`); and what `quantize`'s end-to-end scale tuning (its
+default, `--tune-steps 200`) adds to LEAP + GPTQ (the other quantized variants run with `--tune-steps 0`).
+Every variant goes through the CLI a user would run, at the same budget, and is scored by `leapctl eval`
+perplexity on held-out text.
 
     python bench/quality_q4.py                       # stories260K (fp32-trained; about 20 min on 2 cores)
     python bench/quality_q4.py --model smollm2-135m --name smollm2-135m --calib wiki-summaries --exclude "" \

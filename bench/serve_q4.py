@@ -75,8 +75,8 @@ def dense_model(name: str, work: Path) -> Path:
 
 
 def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head: bool) -> Path:
-    """prune (magnitude) -> quantize (rtn, lm_head too if asked) -> export bitmap-q4, each step skipped when
-    its output exists."""
+    """prune (magnitude) -> quantize (rtn, lm_head too if asked; no scale tuning: speed does not depend on
+    the scales' values) -> export bitmap-q4, each step skipped when its output exists."""
     run = work / f"{dense.name}-mag{round(sparsity * 100)}"
     quantized = run.with_name(run.name + ("-q4-head4" if lm_head else "-q4"))
     export = quantized.with_name(quantized.name + "-export")
@@ -84,8 +84,8 @@ def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head
         leapctl("prune", str(dense), "--method", "magnitude", "--sparsity", str(sparsity), "--out", str(run),
                 "--overwrite")
     if not (quantized / "report.json").is_file():
-        leapctl("quantize", str(run), "--method", "rtn", "--group-size", str(group_size), "--out",
-                str(quantized), "--overwrite", "--lm-head" if lm_head else "--no-lm-head")
+        leapctl("quantize", str(run), "--method", "rtn", "--tune-steps", "0", "--group-size", str(group_size),
+                "--out", str(quantized), "--overwrite", "--lm-head" if lm_head else "--no-lm-head")
     if not (export / "manifest.json").is_file():
         leapctl("export", str(quantized), "--format", "bitmap-q4", "--out", str(export), "--overwrite")
     return export

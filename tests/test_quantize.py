@@ -230,6 +230,7 @@ def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, kind, message
     (["--group-size", "48"], "multiple of 32"),
     (["--method", "awq"], "unknown --method"),
     (["--tune-steps", "-1"], "--tune-steps must be >= 0"),
+    (["--teacher", "/no/such/model"], "is neither a local folder"),
 ])
 def test_bad_options_exit_2_with_one_line_and_write_nothing(wanda_run, tmp_path, args, message):
     out = tmp_path / "never"

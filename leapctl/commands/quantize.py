@@ -24,7 +24,7 @@ def run(config: QuantizeConfig) -> dict:
     from leapctl.errors import LeapctlError
     from leapctl.learn.plots import plot_curve
     from leapctl.masks import MaskSet
-    from leapctl.models import load_model
+    from leapctl.models import load_model, resolve_model
     from leapctl.outdir import atomic_output_dir, check_output_dir
     from leapctl.quantize import (
         LM_HEAD,
@@ -42,6 +42,13 @@ def run(config: QuantizeConfig) -> dict:
     if source.scales is not None:
         raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
     check_group_size(source.masks, config.group_size)
+    teacher = None
+    if config.tune_steps:
+        teacher = config.teacher or source.masks.model
+        if not teacher:
+            raise LeapctlError(f"{config.run}'s masks name no model to tune against: pass --teacher MODEL "
+                               f"(the dense model) or --tune-steps 0")
+        resolve_model(teacher)  # a missing teacher fails here, before the quantization's minutes
     model, tokenizer = load_model(str(source.path), dtype=torch.float32)
     calib_ids, calibration = None, None
     if config.method == "gptq":
@@ -58,7 +65,7 @@ def run(config: QuantizeConfig) -> dict:
     quantize_seconds = time.perf_counter() - started
     tuning = None
     if config.tune_steps:
-        scales, tuning = tune(model, tokenizer, source.masks.model, scales, config)
+        scales, tuning = tune(model, tokenizer, teacher, scales, config)
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "quantization": quantization_entry(config.bits, config.group_size, config.method,

@@ -30,6 +30,8 @@ class QuantizeConfig:
                                    "normalisation weight learned by distillation from the dense model, "
                                    "codes and masks fixed (0: none).")
     tune_lr: float = setting(1e-3, "Adam learning rate of the scale tuning (on log-scales; cosine to 0).")
+    teacher: str = setting("", "Dense model the tuning distils from (default: the model the run was pruned "
+                               "from, as its masks name it).", metavar="MODEL")
     calib: str = setting("wiki-summaries", "Calibration text for gptq and tuning: file, folder, .jsonl, "
                                            "saved dataset, wiki-summaries or generated.")
     nsamples: int = setting(128, "Calibration sequences (gptq and tuning).")

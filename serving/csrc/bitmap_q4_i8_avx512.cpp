@@ -8,8 +8,8 @@
 //
 // A pair of words (64 columns, one group at G = 64) becomes 64 weights in four instructions, from the
 // pair layout (the pair's codes contiguous, padded to a byte only at the pair's end; q4_pack_pairs):
-// vpermb spreads code byte k/2 to byte k (its 64-byte load is the instruction's memory operand),
-// vpmultishiftqb moves code k's nibble to the low bits of byte k, vpermb maps it to 2 * code, and
+// vpmovzxdq widens each 4 code bytes to a qword (its 32-byte load is the instruction's memory operand),
+// vpmultishiftqb moves code k's nibble to bits 1-4 of byte k, vpandd clears the rest (2 * code), and
 // vpexpandb puts the kept ones at their columns, merged into a register of 15s: u = level + 15, unsigned
 // (levels 2 * code - 15 where kept, 0 elsewhere). x is quantized per call to int8 q, with one fp32 scale per
 // 64 columns, so vpdpbusd multiplies u with q; each sum starts from -15 * the sum of q over its lane's 4
@@ -40,6 +40,13 @@
 // ahead, or one and two (17.7-18.0 ms, the same), prefetching block_offsets (18.1), masks 1 KiB ahead (17.7
 // with the scales, 21.1 without: no change), codes 2 or 6 KiB ahead instead of 4 (before the scales: 21.7,
 // 21.5 against 21.3).
+// Then the decode above in place of vpermb (byte k <- code byte k / 2, from a 64-byte load), vpmultishiftqb
+// to the low nibble and vpermb to 2 * code from a table: cold 19.1 to 17.3 ms, hot 18.0 to 16.0 (interleaved,
+// medians of 6, with a busier second core than above: the same kernel measured 17.9 and 16.5 there). Of its
+// two halves, vpmovzxdq alone (with the vpermb table) gave 18.5 and 16.5 and the vpandd alone (after the
+// vpermb spread) 18.3 and 17.1 against 18.8 and 17.7 (medians of 5). Not kept: the levels' xor with 15 after
+// a zero-masking expand, in place of the merge into 15s (a register copy, which Zen 5 eliminates): hot 17.1
+// against 16.5.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -56,22 +63,17 @@
 namespace leap_sparse {
 namespace {
 
-struct PairTables {
-  alignas(64) uint8_t spread[64];  // byte k <- code byte k / 2
-  alignas(64) uint8_t shifts[64];  // vpmultishiftqb: byte k takes 8 bits from bit 8 (k % 8) + 4 (k % 2)
-  alignas(64) uint8_t levels[64];  // 2 * code for the index's low nibble
-};
-
-constexpr PairTables make_tables() {
-  PairTables t{};
-  for (int k = 0; k < 64; ++k) {
-    t.spread[k] = static_cast<uint8_t>(k / 2);
-    t.shifts[k] = static_cast<uint8_t>(8 * (k % 8) + 4 * (k % 2));
-    t.levels[k] = static_cast<uint8_t>(2 * (k % 16));
-  }
+// vpmultishiftqb's offsets: byte k of a qword that holds codes 8j .. 8j + 7 (code i at bits 4i .. 4i + 3)
+// takes the 8 bits from bit 4 (k % 8) - 1 on (mod 64: bit 63 first for k % 8 = 0), so that code k lands on
+// bits 1-4, 2 * code, with one bit of its neighbours below and three above.
+constexpr auto make_shifts() {
+  struct {
+    alignas(64) uint8_t k[64];
+  } t{};
+  for (int k = 0; k < 64; ++k) t.k[k] = static_cast<uint8_t>((4 * (k % 8) + 63) % 64);
   return t;
 }
-constexpr PairTables kTables = make_tables();
+constexpr auto kShifts = make_shifts();
 
 // ceil(n / 2): the code bytes of a pair with n kept weights.
 constexpr auto make_pair_bytes() {
@@ -84,26 +86,25 @@ constexpr auto make_pair_bytes() {
 constexpr auto kPairBytes = make_pair_bytes();
 
 struct PairDecoder {
-  __m512i spread, shifts, levels, fifteen;
+  __m512i shifts, doubled_code, fifteen;
   PairDecoder()
-      : spread(_mm512_load_si512(kTables.spread)),
-        shifts(_mm512_load_si512(kTables.shifts)),
-        levels(_mm512_load_si512(kTables.levels)),
-        fifteen(_mm512_set1_epi8(15)) {}
+      : shifts(_mm512_load_si512(kShifts.k)), doubled_code(_mm512_set1_epi8(0x1e)), fifteen(_mm512_set1_epi8(15)) {}
+
+  // 2 * code k in byte k for the 64 codes (32 bytes) at `codes`: each 4 code bytes widened to a qword (the
+  // load's vpmovzxdq), the nibbles moved to bits 1-4 and the neighbours' bits cleared.
+  inline __m512i doubled(const uint8_t* codes) const {
+    const __m512i w = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, w), doubled_code);
+  }
 
   // The pair's 64 weights as u8, 15 more than the level (2 * code where kept, 15 elsewhere), without the scale.
   inline __m512i pair(const uint8_t* codes, const uint64_t* mask) const {
-    __m512i w = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes));
-    w = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), levels);
     return _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(mask))),
-                                   w);
+                                   doubled(codes));
   }
 
   // A pair with every weight kept (a dense layout: no mask, 32 code bytes): no expand.
-  inline __m512i full(const uint8_t* codes) const {
-    const __m512i w = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes));
-    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), levels);
-  }
+  inline __m512i full(const uint8_t* codes) const { return doubled(codes); }
 
   // Pair q of row r of a block (masks: the block's, unused for a dense layout); advances `codes`.
   template <bool Dense>

@@ -75,7 +75,7 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 // - scales: per block, group and row of the block, the row's fp16 scale (padded rows 0); the group size must
 //   be a multiple of 64.
 constexpr int kPairRows = 4;
-constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 64-byte load
+constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 32-byte load; 64 keeps the pad a line
 constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
 constexpr int64_t kPairMaxM = 8;  // rows of x the int8 kernel takes; above, decoded tiles and a GEMM
 

@@ -22,7 +22,7 @@
 // other jobs on the second core): 0.53-0.54 ns per 32-column word and row, against 0.68-0.71 for the bf16
 // kernel's lean path. The block's fold table, first made with scalar code, cost 0.15 ns of that (hence the
 // scales stored per block). The loop is about 13 instructions per row and pair; a micro-benchmark of its
-// vector instructions alone gives 0.38 ns per word, of which the decode (two vpermb, vpmultishiftqb,
+// vector instructions alone gives 0.38 ns per word, of which the decode of then (two vpermb, vpmultishiftqb,
 // vpexpandb: the expand alone 1.2 cycles) is 0.27. Not kept: a 32-byte code load or a 256-bit broadcast
 // instead of the 64-byte one (no change), popcnt without GCC's dependency-breaking xor and two pairs per
 // loop iteration (no change).
@@ -47,6 +47,14 @@
 // vpermb spread) 18.3 and 17.1 against 18.8 and 17.7 (medians of 5). Not kept: the levels' xor with 15 after
 // a zero-masking expand, in place of the merge into 15s (a register copy, which Zen 5 eliminates): hot 17.1
 // against 16.5.
+// Then, not kept (interleaved, medians of 5-6, cold / hot against the kernel as it is, 17.1-18.2 / 16.0-16.3):
+// the x scales halved and spread over their groups' R lanes once per call instead of in every block's table
+// (hot 3.7% faster, cold 1.6%: down_proj's 128 groups slower cold); masks prefetched 2 KiB ahead to L1 or 4
+// KiB ahead to L2 (cold 1.3% faster, within the noise); codes prefetched 3 or 5 KiB ahead (17.4, 17.3 against
+// 17.1).
+// All of it against the kernel before (the reference command, decode_sweep.py EXPORT --pages huge --activations
+// int8 --sweeps 8, interleaved, 6 runs each): cold 24.6-25.2 ms (median 24.8) to 17.7-18.4 (18.1), hot
+// 19.0-20.0 (19.6) to 15.8-16.2 (15.9).
 #include <immintrin.h>
 
 #include <algorithm>

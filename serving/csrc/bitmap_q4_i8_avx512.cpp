@@ -6,24 +6,55 @@
 // issue 3-4 per cycle): its 0.7 ns per word is the instruction count, not the bandwidth. With int8 x
 // (as llama.cpp's Q4_0 x Q8_0 dot does) one instruction covers 64 columns where bf16 covers 32.
 //
-// A pair of words (64 columns, one group at G = 64) becomes 64 int8 weights in four instructions, from the
+// A pair of words (64 columns, one group at G = 64) becomes 64 weights in four instructions, from the
 // pair layout (the pair's codes contiguous, padded to a byte only at the pair's end; q4_pack_pairs):
-// vpermb spreads code byte k/2 to byte k (its 64-byte load is the instruction's memory operand),
-// vpmultishiftqb moves code k's nibble to the low bits of byte k, vpermb maps it to 2 * code - 15, and
-// vpexpandb puts the kept ones at their columns (zeros elsewhere). x is quantized per call to
-// |x| (u8) and a mask of its negative columns per 64 columns, with one fp32 scale per 64 columns, so
-// vpdpbusd multiplies |x| with the weights negated where x is negative (a masked vpsubb). Each pair's
-// int32 sums are folded into the row's fp32 sums with 0.5 * weight scale * x scale, from a table the block
-// makes at its start. Results: sum over groups of (0.5 * s_w * s_x) * (exact integer dot), in fp32.
+// vpmovzxdq widens each 4 code bytes to a qword (its 32-byte load is the instruction's memory operand),
+// vpmultishiftqb moves code k's nibble to bits 1-4 of byte k, vpandd clears the rest (2 * code), and
+// vpexpandb puts the kept ones at their columns, merged into a register of 15s: u = level + 15, unsigned
+// (levels 2 * code - 15 where kept, 0 elsewhere). x is quantized per call to int8 q, with one fp32 scale per
+// 64 columns, so vpdpbusd multiplies u with q; each sum starts from -15 * the sum of q over its lane's 4
+// columns (made per pair from q with one vpdpbusd and a negation), so that lane l ends at exactly
+// sum over its kept columns of level * q. Each pair's int32 sums are folded into the row's fp32 sums with
+// 0.5 * weight scale * x scale, from a table the block makes at its start. Results: sum over groups of
+// (0.5 * s_w * s_x) * (exact integer dot), in fp32.
 //
 // Measured (stand-alone harness calling q4_pairs_gemm_blocks_avx512, 1 thread, 512 x 2048 in L2, 50%, M = 1,
 // other jobs on the second core): 0.53-0.54 ns per 32-column word and row, against 0.68-0.71 for the bf16
 // kernel's lean path. The block's fold table, first made with scalar code, cost 0.15 ns of that (hence the
 // scales stored per block). The loop is about 13 instructions per row and pair; a micro-benchmark of its
-// vector instructions alone gives 0.38 ns per word, of which the decode (two vpermb, vpmultishiftqb,
+// vector instructions alone gives 0.38 ns per word, of which the decode of then (two vpermb, vpmultishiftqb,
 // vpexpandb: the expand alone 1.2 cycles) is 0.27. Not kept: a 32-byte code load or a 256-bit broadcast
 // instead of the 64-byte one (no change), popcnt without GCC's dependency-breaking xor and two pairs per
 // loop iteration (no change).
+//
+// Measured end to end (bench/decode_sweep.py's layers of the Llama-3.2-1B shape, mag50 q4 head4 export, huge
+// pages, int8 x, 1 thread on core 1; runs interleaved with the previous kernel, medians of 6): the unsigned
+// weights above, in place of |x| with the weights negated where x < 0 (a masked vpsubb per row and pair), and
+// the dense layout's branch chosen at compile time took a step from 21.5 to 20.8 ms cold, 17.4 to 16.4 hot.
+// The integer dots per lane are the same, so the results are bit for bit those of the previous kernel. Not
+// kept: the starts as a table made by quantize_x (64 bytes per pair: hot as fast, cold 21.4-22.1 ms,
+// down_proj's 8192 columns slowest, the x it reads per block twice as large).
+// Then prefetching the next block's scales at a block's start (the block's table waits for its scales before
+// its first pair, a miss per block when cold) took the step from 21.3 to 17.9 ms cold (interleaved, medians of
+// 4-5; every projection, lm_head included), hot unchanged (16.5). Not kept beside it: the scales two blocks
+// ahead, or one and two (17.7-18.0 ms, the same), prefetching block_offsets (18.1), masks 1 KiB ahead (17.7
+// with the scales, 21.1 without: no change), codes 2 or 6 KiB ahead instead of 4 (before the scales: 21.7,
+// 21.5 against 21.3).
+// Then the decode above in place of vpermb (byte k <- code byte k / 2, from a 64-byte load), vpmultishiftqb
+// to the low nibble and vpermb to 2 * code from a table: cold 19.1 to 17.3 ms, hot 18.0 to 16.0 (interleaved,
+// medians of 6, with a busier second core than above: the same kernel measured 17.9 and 16.5 there). Of its
+// two halves, vpmovzxdq alone (with the vpermb table) gave 18.5 and 16.5 and the vpandd alone (after the
+// vpermb spread) 18.3 and 17.1 against 18.8 and 17.7 (medians of 5). Not kept: the levels' xor with 15 after
+// a zero-masking expand, in place of the merge into 15s (a register copy, which Zen 5 eliminates): hot 17.1
+// against 16.5.
+// Then, not kept (interleaved, medians of 5-6, cold / hot against the kernel as it is, 17.1-18.2 / 16.0-16.3):
+// the x scales halved and spread over their groups' R lanes once per call instead of in every block's table
+// (hot 3.7% faster, cold 1.6%: down_proj's 128 groups slower cold); masks prefetched 2 KiB ahead to L1 or 4
+// KiB ahead to L2 (cold 1.3% faster, within the noise); codes prefetched 3 or 5 KiB ahead (17.4, 17.3 against
+// 17.1).
+// All of it against the kernel before (the reference command, decode_sweep.py EXPORT --pages huge --activations
+// int8 --sweeps 8, interleaved, 6 runs each): cold 24.6-25.2 ms (median 24.8) to 17.7-18.4 (18.1), hot
+// 19.0-20.0 (19.6) to 15.8-16.2 (15.9).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -40,22 +71,17 @@
 namespace leap_sparse {
 namespace {
 
-struct PairTables {
-  alignas(64) uint8_t spread[64];  // byte k <- code byte k / 2
-  alignas(64) uint8_t shifts[64];  // vpmultishiftqb: byte k takes 8 bits from bit 8 (k % 8) + 4 (k % 2)
-  alignas(64) int8_t levels[64];   // 2 * code - 15 for the index's low nibble
-};
-
-constexpr PairTables make_tables() {
-  PairTables t{};
-  for (int k = 0; k < 64; ++k) {
-    t.spread[k] = static_cast<uint8_t>(k / 2);
-    t.shifts[k] = static_cast<uint8_t>(8 * (k % 8) + 4 * (k % 2));
-    t.levels[k] = static_cast<int8_t>(2 * (k % 16) - 15);
-  }
+// vpmultishiftqb's offsets: byte k of a qword that holds codes 8j .. 8j + 7 (code i at bits 4i .. 4i + 3)
+// takes the 8 bits from bit 4 (k % 8) - 1 on (mod 64: bit 63 first for k % 8 = 0), so that code k lands on
+// bits 1-4, 2 * code, with one bit of its neighbours below and three above.
+constexpr auto make_shifts() {
+  struct {
+    alignas(64) uint8_t k[64];
+  } t{};
+  for (int k = 0; k < 64; ++k) t.k[k] = static_cast<uint8_t>((4 * (k % 8) + 63) % 64);
   return t;
 }
-constexpr PairTables kTables = make_tables();
+constexpr auto kShifts = make_shifts();
 
 // ceil(n / 2): the code bytes of a pair with n kept weights.
 constexpr auto make_pair_bytes() {
@@ -68,31 +94,30 @@ constexpr auto make_pair_bytes() {
 constexpr auto kPairBytes = make_pair_bytes();
 
 struct PairDecoder {
-  __m512i spread, shifts, levels;
+  __m512i shifts, doubled_code, fifteen;
   PairDecoder()
-      : spread(_mm512_load_si512(kTables.spread)),
-        shifts(_mm512_load_si512(kTables.shifts)),
-        levels(_mm512_load_si512(kTables.levels)) {}
+      : shifts(_mm512_load_si512(kShifts.k)), doubled_code(_mm512_set1_epi8(0x1e)), fifteen(_mm512_set1_epi8(15)) {}
 
-  // The pair's 64 weights as int8 (2 * code - 15 where kept, 0 elsewhere), without the scale.
+  // 2 * code k in byte k for the 64 codes (32 bytes) at `codes`: each 4 code bytes widened to a qword (the
+  // load's vpmovzxdq), the nibbles moved to bits 1-4 and the neighbours' bits cleared.
+  inline __m512i doubled(const uint8_t* codes) const {
+    const __m512i w = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, w), doubled_code);
+  }
+
+  // The pair's 64 weights as u8, 15 more than the level (2 * code where kept, 15 elsewhere), without the scale.
   inline __m512i pair(const uint8_t* codes, const uint64_t* mask) const {
-    __m512i w = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes));
-    w = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), levels);
-    // Zero-masking in place: the destination is the source, so the form adds no dependency.
-    asm("vpexpandb %0, %0%{%1%}%{z%}" : "+v"(w) : "Yk"(_load_mask64(reinterpret_cast<__mmask64*>(
-                                                        const_cast<uint64_t*>(mask)))));
-    return w;
+    return _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(mask))),
+                                   doubled(codes));
   }
 
   // A pair with every weight kept (a dense layout: no mask, 32 code bytes): no expand.
-  inline __m512i full(const uint8_t* codes) const {
-    const __m512i w = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes));
-    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), levels);
-  }
+  inline __m512i full(const uint8_t* codes) const { return doubled(codes); }
 
-  // Pair q of row r of a block (masks: the block's, or nullptr for a dense layout); advances `codes`.
+  // Pair q of row r of a block (masks: the block's, unused for a dense layout); advances `codes`.
+  template <bool Dense>
   inline __m512i next(const uint8_t*& codes, const uint64_t* masks, int64_t q, int r) const {
-    if (masks == nullptr) {
+    if constexpr (Dense) {
       const __m512i w = full(codes);
       codes += 32;
       return w;
@@ -121,6 +146,10 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   // 16 at a time from the block's scales as the layout stores them ([groups, R] fp16; padded rows 0),
   // each x scale spread over its group's R lanes.
   const uint16_t* sw = p.scales + b * groups * R;
+  // The next block's scales, which its table needs before its first pair: a miss there stalls the block.
+  for (int64_t i = 0; i < groups * R * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(sw + groups * R) + i, _MM_HINT_T0);
+  }
   const __m512i spread_x = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   for (int64_t g = 0; g < groups; g += 4) {
     const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (R * (groups - g))) - 1);
@@ -137,23 +166,22 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   const uint64_t* masks = Dense ? nullptr : p.masks + b * pairs * R;
   const uint8_t* c = p.codes + p.block_offsets[b];
-  const uint8_t* xm = p.x_magnitude + m0 * p.cols;
+  const int8_t* xv_base = p.x_values + m0 * p.cols;
   const float* s = scales;
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
     _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes, _MM_HINT_T0);
-    __m512i xv[M];
-    __mmask64 negative[M];
+    __m512i xv[M], start[M];
     for (int m = 0; m < M; ++m) {
-      xv[m] = _mm512_loadu_si512(xm + m * p.cols + 64 * q);
-      negative[m] = p.x_negative[(m0 + m) * pairs + q];
+      xv[m] = _mm512_loadu_si512(xv_base + m * p.cols + 64 * q);
+      // -15 * the sums of q over 4 columns (a table of them made by quantize_x was slower: L1 space).
+      start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next(c, masks, q, r);
+      const __m512i w = dec.next<Dense>(c, masks, q, r);
       for (int m = 0; m < M; ++m) {
-        const __m512i signed_w = _mm512_mask_sub_epi8(w, negative[m], _mm512_setzero_si512(), w);
-        __m512i sum;
-        asm volatile("vpxord %0, %0, %0" : "=v"(sum));  // a zero idiom per sum, not a copy of one register
-        sum = _mm512_dpbusd_epi32(sum, xv[m], signed_w);
+        // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
+        const __m512i sum = _mm512_dpbusd_epi32(start[m], w, xv[m]);
         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
       }
     }
@@ -239,8 +267,7 @@ void quantize_x_avx512(DType dtype, const void* x, int64_t row_stride, int64_t m
           const __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], inverse)));
           all = _mm512_mask_broadcast_i32x4(all, static_cast<__mmask16>(0xf << (4 * j)), bytes);
         }
-        out.negative[i * pairs + q] = _mm512_movepi8_mask(all);
-        _mm512_storeu_si512(out.magnitude + i * cols + 64 * q, _mm512_abs_epi8(all));
+        _mm512_storeu_si512(out.values + i * cols + 64 * q, all);
       }
     }
   }
@@ -256,7 +283,8 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
     const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
     for (int64_t q = 0; q < pairs; ++q) {
       for (int r = 0; r < kPairRows; ++r) {
-        const __m512i w = dec.next(c, masks, q, r);
+        const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
+        const __m512i w = _mm512_sub_epi8(u, dec.fifteen);  // the levels, 0 where pruned
         if (r >= real) continue;
         // s * (code - 7.5) = (0.5 s) * (2 code - 15): exact in fp32 (an fp16 times a small odd integer).
         const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));

@@ -180,14 +180,11 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
 
   if (m <= kPairMaxM) {
-    const at::Tensor magnitude = at::empty({m, n_cols}, x.options().dtype(at::kByte));
-    const at::Tensor negative = at::empty({m, n_cols / 64}, x.options().dtype(at::kLong));
+    const at::Tensor values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
     const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
-    const Q8Rows q8{magnitude.data_ptr<uint8_t>(), reinterpret_cast<uint64_t*>(negative.data_ptr<int64_t>()),
-                    x_scales.data_ptr<float>(), p.groups};
+    const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
     quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
-    p.x_magnitude = q8.magnitude;
-    p.x_negative = q8.negative;
+    p.x_values = q8.values;
     p.x_scales = q8.scales;
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { q4_pairs_gemm_blocks_avx512(p, begin, end); });
     return y;

@@ -75,15 +75,14 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 // - scales: per block, group and row of the block, the row's fp16 scale (padded rows 0); the group size must
 //   be a multiple of 64.
 constexpr int kPairRows = 4;
-constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 64-byte load
+constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 32-byte load; 64 keeps the pad a line
 constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
 constexpr int64_t kPairMaxM = 8;  // rows of x the int8 kernel takes; above, decoded tiles and a GEMM
 
-// x quantized per call, per row of x and weight group: x = scale * (negative ? -magnitude : magnitude).
+// x quantized per call, per row of x and weight group: x = scale * q, |q| <= 127.
 struct Q8Rows {
-  uint8_t* magnitude;  // [m, cols], |q| <= 127
-  uint64_t* negative;  // [m, cols / 64], bit i of pair p: column 64 p + i is negative
-  float* scales;       // [m, groups]
+  int8_t* values;  // [m, cols], q
+  float* scales;   // [m, groups]
   int64_t groups;
 };
 
@@ -97,8 +96,7 @@ struct Q4PairProblem {
   int64_t group_pairs;  // G / 64
   int64_t rows;
   int64_t cols;  // a multiple of G
-  const uint8_t* x_magnitude;  // Q8Rows of the m rows of x
-  const uint64_t* x_negative;
+  const int8_t* x_values;  // Q8Rows of the m rows of x
   const float* x_scales;
   int64_t m;          // <= kPairMaxM
   const float* bias;  // [rows] in fp32, or nullptr

@@ -161,8 +161,9 @@ def load_phase(server: Server, kind: str, texts: list, clients: int, rounds: int
 
 def timed(server: Server, body: dict) -> float:
     """Seconds for one whole (not streamed) completion."""
+    whole = {key: value for key, value in body.items() if key != "stream_options"} | {"stream": False}
     start = time.perf_counter()
-    with post(f"{server.base}/v1/completions", {**body, "stream": False}) as response:
+    with post(f"{server.base}/v1/completions", whole) as response:
         answer = json.loads(response.read())
     if answer["usage"]["completion_tokens"] != body["max_tokens"]:
         got = answer["usage"]["completion_tokens"]

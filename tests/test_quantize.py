@@ -67,13 +67,14 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs():
 
 def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_dir):
     """Property: tuning may change a group's scale, never a code or a mask, and it lowers the KL to the dense
-    model it minimises (measured on the calibration windows before and after)."""
+    model it minimises (measured on the calibration windows before and after); lm_head's scales are tuned
+    too and its tie to the input embedding survives."""
     from test_serve_cli import magnitude_masks
 
     from leapctl.learn.loss import language_model_and_distillation
     from leapctl.masks import MaskSet, apply_masks
     from leapctl.models import load_model
-    from leapctl.quantize import quantize_model
+    from leapctl.quantize import LM_HEAD, quantize_lm_head, quantize_model
     from leapctl.quantize.tune import normalisation_weights, tune_scales
     from sparse_formats.bitmap_q4 import GRID_OFFSET
 
@@ -84,6 +85,8 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
     mask_set = MaskSet(masks=masks, model=str(stories260k_dir))
     apply_masks(model, mask_set)
     scales = quantize_model(model, mask_set, "rtn", 64)
+    scales[LM_HEAD] = quantize_lm_head(model, 64)  # tied to the input embedding: the tie must hold
+    masks[LM_HEAD] = torch.ones(model.lm_head.weight.shape, dtype=torch.bool)
 
     def codes(name: str, layer_scales: torch.Tensor) -> torch.Tensor:
         weight = model.get_submodule(name.removesuffix(".weight")).weight
@@ -110,7 +113,8 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
         changed += int((layer_scales != scales[name]).sum())
         Q4.encode(model.get_submodule(name.removesuffix(".weight")).weight.detach(), masks[name],
                   scales=layer_scales)
-    assert changed > 0
+    assert changed > 0 and not torch.equal(result.scales[LM_HEAD], scales[LM_HEAD])
+    assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
 # ---------------------------------------------------------------- the command, on stories260K

@@ -23,8 +23,9 @@ class QuantizeConfig:
     method: str = setting("gptq", "gptq (error compensation with the mask fixed, calibrated block by "
                                   "block) or rtn (round to nearest, no calibration).")
     lm_head: bool = setting(False, "Also put lm_head on the 4-bit grid (round to nearest, every weight "
-                                   "kept; a tied input embedding shares its values): on small models it is "
-                                   "a large share of the bytes a decode step reads.",
+                                   "kept, then its scales tuned with the rest; a tied input embedding shares "
+                                   "its values): on small models it is a large share of the bytes a decode "
+                                   "step reads.",
                             flag="--lm-head/--no-lm-head")
     tune_steps: int = setting(200, "Steps of end-to-end scale tuning after quantizing: every group scale and "
                                    "normalisation weight learned by distillation from the dense model, "

@@ -58,21 +58,29 @@ def normalisation_weights(model: nn.Module) -> list[nn.Parameter]:
             if "Norm" in type(module).__name__ and isinstance(getattr(module, "weight", None), nn.Parameter)]
 
 
+def _sharing_modules(model: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """`module` and every other module whose weight is the same tensor (a tied input embedding)."""
+    return [module] + [other for other in model.modules()
+                       if other is not module and getattr(other, "weight", None) is module.weight]
+
+
 def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Tensor],
                 calib_ids: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int = 0,
                 progress: bool = True) -> TuneResult:
-    """Learn `scales` (fp16 per weight name; lm_head is left as it is) and the normalisation weights of
-    `model` (fp32, kept weights on the grid) in place, from `teacher`'s logits on random batches of the
-    calibration windows `calib_ids` [n, seq_len]. Returns the new fp16 scales."""
-    tuned = {name: s for name, s in scales.items() if name.removesuffix(".weight") != "lm_head"}
-    linears = {name: model.get_submodule(name.removesuffix(".weight")) for name in tuned}
+    """Learn `scales` (fp16 per weight name, lm_head's included) and the normalisation weights of `model`
+    (fp32, kept weights on the grid) in place, from `teacher`'s logits on random batches of the calibration
+    windows `calib_ids` [n, seq_len]. A weight tied to another module (lm_head and the input embedding) gets
+    one parametrization on both, so the tie holds while tuning and after. Returns the new fp16 scales."""
+    owners = {name: _sharing_modules(model, model.get_submodule(name.removesuffix(".weight")))
+              for name in scales}
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    gains = []
-    for name, linear in linears.items():
-        grouped = GroupScaled(linear.weight.detach(), tuned[name])
-        parametrize.register_parametrization(linear, "weight", grouped)
-        gains.append(linear.parametrizations.weight[0].log_gain)
+    grouped = {name: GroupScaled(modules[0].weight.detach(), scales[name])
+               for name, modules in owners.items()}
+    for name, modules in owners.items():
+        for module in modules:
+            parametrize.register_parametrization(module, "weight", grouped[name])
+    gains = [g.log_gain for g in grouped.values()]
     norms = normalisation_weights(model)
     for parameter in (*gains, *norms):
         parameter.requires_grad_(True)
@@ -100,13 +108,13 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
             bar.update(task, advance=1, kl=history[-1])
     new_scales = dict(scales)
     with torch.no_grad():
-        for name, linear in linears.items():
-            grouped = linear.parametrizations.weight[0]
-            new_scales[name] = grouped.tuned_scales().cpu()
-            spread = grouped.tuned_scales().float().repeat_interleave(grouped.group_size, dim=1)
-            weight = grouped.levels * spread
-            parametrize.remove_parametrizations(linear, "weight", leave_parametrized=False)
-            linear.weight.copy_(weight)
+        for name, modules in owners.items():
+            new_scales[name] = grouped[name].tuned_scales().cpu()
+            spread = new_scales[name].float().to(grouped[name].levels.device)
+            weight = grouped[name].levels * spread.repeat_interleave(grouped[name].group_size, dim=1)
+            for module in modules:  # each gives back the same original tensor when tied
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            modules[0].weight.copy_(weight)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return TuneResult(scales=new_scales, kl=history, norms=len(norms))

@@ -6,7 +6,7 @@ SmolLM2): perplexity before and after `leapctl.quantize.tune.tune_scales`, nothi
         --calib wiki-summaries --batch-size 4 --seq-len 256 --steps 200 \
         --ppl runs/quality_q4/smollm2-135m-0.5/wiki-summaries-heldout.txt --eval-seq-len 1024
 
-The windows are the whole calibration source cut to --seq-len (as `quantize` takes them)."""
+The windows are `quantize`'s (`tuning_windows`: the whole calibration source cut to --seq-len)."""
 
 import argparse
 import json
@@ -18,10 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from leapctl.data import GENERATED, corpus_ids  # noqa: E402
 from leapctl.eval.perplexity import perplexity  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
-from leapctl.quantize.tune import tune_scales  # noqa: E402
+from leapctl.quantize.tune import tune_scales, tuning_windows  # noqa: E402
 from leapctl.runs import read_run  # noqa: E402
 
 
@@ -53,10 +52,7 @@ def main() -> None:
                 for name, text in texts.items()}
 
     before = scores()
-    one_batch = args.batch_size * args.seq_len
-    wanted = min(args.steps * one_batch, 1 << 20) if args.calib == GENERATED else one_batch
-    ids = corpus_ids(args.calib, tokenizer, model=teacher, seed=1, min_tokens=wanted)
-    windows = ids[: ids.numel() // args.seq_len * args.seq_len].view(-1, args.seq_len)
+    windows = tuning_windows(args.calib, tokenizer, teacher, args.steps, args.batch_size, args.seq_len)
     started = time.perf_counter()
     result = tune_scales(model, teacher, run.scales, windows, args.steps, args.lr, args.batch_size)
     seconds = round(time.perf_counter() - started, 1)

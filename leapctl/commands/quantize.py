@@ -85,27 +85,18 @@ TUNE_PLOT = "tune_kl.png"
 
 
 def tune(model, tokenizer, teacher_spec: str, scales: dict, config: QuantizeConfig) -> tuple[dict, dict]:
-    """The scales after end-to-end tuning against the dense model `teacher_spec`, and the report's entry.
-    Its windows come from the whole calibration source (a text source's every token; `generated`: as many
-    tokens as the steps read, capped at 1M, sampled 512 tokens at a time): GPTQ's `--nsamples` windows
-    alone are too few for a few hundred steps. stories260K, LEAP 50% + GPTQ (4.724; 16-bit 4.386), 200
-    steps of 8 x 128: 4.700 from the 64 calibration windows, 4.632 from 1600 windows of 128-token samples,
-    4.591 from 1600 windows of 512-token samples."""
+    """The scales after end-to-end tuning against the dense model `teacher_spec`, and the report's entry."""
     import torch
 
     from leapctl.compute import resolve_device
-    from leapctl.data import GENERATED, corpus_ids
     from leapctl.models import load_model
-    from leapctl.quantize.tune import tune_scales
+    from leapctl.quantize.tune import tune_scales, tuning_windows
 
     started = time.perf_counter()
     device = resolve_device(config.device)
     teacher, _ = load_model(teacher_spec, dtype=torch.float32)
-    one_batch = config.batch_size * config.seq_len
-    wanted = min(config.tune_steps * one_batch, 1 << 20) if config.calib == GENERATED else one_batch
-    ids = corpus_ids(config.calib, tokenizer, model=teacher, seed=config.seed + 1, min_tokens=wanted,
-                     text_field=config.text_field)
-    windows = ids[: ids.numel() // config.seq_len * config.seq_len].view(-1, config.seq_len)
+    windows = tuning_windows(config.calib, tokenizer, teacher, config.tune_steps, config.batch_size,
+                             config.seq_len, config.seed, config.text_field)
     result = tune_scales(model.to(device), teacher.to(device), scales, windows, config.tune_steps,
                          config.tune_lr, config.batch_size, config.seed, config.progress)
     model.cpu()

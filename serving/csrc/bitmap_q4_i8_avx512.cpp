@@ -22,7 +22,7 @@
 // other jobs on the second core): 0.53-0.54 ns per 32-column word and row, against 0.68-0.71 for the bf16
 // kernel's lean path. The block's fold table, first made with scalar code, cost 0.15 ns of that (hence the
 // scales stored per block). The loop is about 13 instructions per row and pair; a micro-benchmark of its
-// vector instructions alone gives 0.38 ns per word, of which the decode of then (two vpermb, vpmultishiftqb,
+// vector instructions alone gives 0.38 ns per word, of which the decode as it was then (two vpermb, vpmultishiftqb,
 // vpexpandb: the expand alone 1.2 cycles) is 0.27. Not kept: a 32-byte code load or a 256-bit broadcast
 // instead of the 64-byte one (no change), popcnt without GCC's dependency-breaking xor and two pairs per
 // loop iteration (no change).

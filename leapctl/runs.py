@@ -50,6 +50,15 @@ class Run:
         """The report's quantization entry (bits, group size, method) of a quantized run, else None."""
         return self.report.get("quantization") if self.scales is not None else None
 
+    @property
+    def calibration_source(self) -> str | None:
+        """The text the masks were calibrated or learned on, as the report names it (prune: its calibration
+        entry; learn: its settings), None when they used none (magnitude) or the folder has no report."""
+        calibration = self.report.get("calibration")
+        if isinstance(calibration, dict) and calibration.get("source"):
+            return calibration["source"]
+        return (self.report.get("settings") or {}).get("calib") or None
+
 
 def masks_file(run_dir: Path) -> Path | None:
     """The mask file of a run folder (this layout or the older one), None when it has none."""

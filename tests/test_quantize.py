@@ -7,6 +7,7 @@ equal round to nearest), and the layer's output error on correlated inputs (what
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,19 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
 # ---------------------------------------------------------------- the command, on stories260K
 
 
+@pytest.mark.parametrize(("report", "source"), [
+    ({"command": "prune", "calibration": {"source": "generated", "nsamples": 8}}, "generated"),
+    ({"command": "prune", "calibration": None}, None),  # magnitude: no calibration
+    ({"settings": {"calib": "texts.jsonl", "steps": 200}}, "texts.jsonl"),  # learn
+    ({}, None),  # a mask file without a report
+])
+def test_a_run_names_the_text_its_masks_were_calibrated_on(report, source):
+    from leapctl.runs import Run
+
+    run = Run(spec="run", path=Path("run"), masks_file=Path("run"), masks=None, report=report)
+    assert run.calibration_source == source
+
+
 def leapctl(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "leapctl", *args], capture_output=True, text=True, cwd=cwd)
 
@@ -138,7 +152,8 @@ def wanda_run(stories260k_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def quantized_run(wanda_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("q") / "gptq"
-    done = leapctl("quantize", str(wanda_run), "--calib", "generated", "--nsamples", "8", "--seq-len", "64",
+    # No --calib: quantize calibrates on the text the masks were (here: generated samples).
+    done = leapctl("quantize", str(wanda_run), "--nsamples", "8", "--seq-len", "64",
                    "--out", str(out), "--no-progress")
     assert done.returncode == 0, done.stderr
     return out
@@ -168,7 +183,9 @@ def test_a_quantized_run_keeps_the_masks_and_sits_on_its_grid(wanda_run, quantiz
 def test_the_default_tuning_is_reported_and_plotted(quantized_run):
     from leapctl.quantize.config import QuantizeConfig
 
-    tuning = json.loads((quantized_run / "report.json").read_text())["tuning"]
+    report = json.loads((quantized_run / "report.json").read_text())
+    tuning = report["tuning"]
+    assert report["calibration"]["source"] == tuning["source"] == "generated"  # the wanda run's text
     assert len(tuning["kl"]) == tuning["steps"] == QuantizeConfig.tune_steps > 0
     assert tuning["kl_last_10"] < tuning["kl_first"]
     assert (quantized_run / "tune_kl.png").stat().st_size > 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from leapctl.quantize.config import QuantizeConfig
+from leapctl.quantize.config import DEFAULT_CALIB, QuantizeConfig
 
 NAME = "quantize"
 HELP = ("Quantize the kept weights of a pruned RUN to 4 bits (codes and a scale per group) and write a run "
@@ -36,9 +36,10 @@ def run(config: QuantizeConfig) -> dict:
     from leapctl.runs import read_run, save_run
 
     config.validate()
-    inputs = (config.run, config.calib)
-    check_output_dir(Path(config.out), config.overwrite, inputs)
     source = read_run(config.run)
+    calib = config.calib or source.calibration_source or DEFAULT_CALIB
+    inputs = (config.run, calib)
+    check_output_dir(Path(config.out), config.overwrite, inputs)
     if source.scales is not None:
         raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
     check_group_size(source.masks, config.group_size)
@@ -52,9 +53,9 @@ def run(config: QuantizeConfig) -> dict:
     model, tokenizer = load_model(str(source.path), dtype=torch.float32)
     calib_ids, calibration = None, None
     if config.method == "gptq":
-        calib_ids = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+        calib_ids = calibration_batch(calib, tokenizer, config.nsamples, config.seq_len, config.seed,
                                       model=model, text_field=config.text_field)
-        calibration = {"source": config.calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
+        calibration = {"source": calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
                        "seed": config.seed, "tokens": int(calib_ids.numel())}
     started = time.perf_counter()
     options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
@@ -65,7 +66,7 @@ def run(config: QuantizeConfig) -> dict:
     quantize_seconds = time.perf_counter() - started
     tuning = None
     if config.tune_steps:
-        scales, tuning = tune(model, tokenizer, teacher, scales, config)
+        scales, tuning = tune(model, tokenizer, teacher, scales, calib, config)
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "quantization": quantization_entry(config.bits, config.group_size, config.method,
@@ -84,8 +85,10 @@ def run(config: QuantizeConfig) -> dict:
 TUNE_PLOT = "tune_kl.png"
 
 
-def tune(model, tokenizer, teacher_spec: str, scales: dict, config: QuantizeConfig) -> tuple[dict, dict]:
-    """The scales after end-to-end tuning against the dense model `teacher_spec`, and the report's entry."""
+def tune(model, tokenizer, teacher_spec: str, scales: dict, calib: str,
+         config: QuantizeConfig) -> tuple[dict, dict]:
+    """The scales after end-to-end tuning against the dense model `teacher_spec` on `calib`'s text, and the
+    report's entry."""
     import torch
 
     from leapctl.compute import resolve_device
@@ -95,14 +98,15 @@ def tune(model, tokenizer, teacher_spec: str, scales: dict, config: QuantizeConf
     started = time.perf_counter()
     device = resolve_device(config.device)
     teacher, _ = load_model(teacher_spec, dtype=torch.float32)
-    windows = tuning_windows(config.calib, tokenizer, teacher, config.tune_steps, config.batch_size,
+    windows = tuning_windows(calib, tokenizer, teacher, config.tune_steps, config.batch_size,
                              config.seq_len, config.seed, config.text_field)
     result = tune_scales(model.to(device), teacher.to(device), scales, windows, config.tune_steps,
                          config.tune_lr, config.batch_size, config.seed, config.progress)
     model.cpu()
     last = result.kl[-10:]
-    entry = {"steps": config.tune_steps, "lr": config.tune_lr, "batch_size": config.batch_size,
-             "windows": int(windows.shape[0]), "teacher": teacher_spec, "normalisation_weights": result.norms,
+    entry = {"source": calib, "steps": config.tune_steps, "lr": config.tune_lr,
+             "batch_size": config.batch_size, "windows": int(windows.shape[0]), "teacher": teacher_spec,
+             "normalisation_weights": result.norms,
              "kl_first": round(result.kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
              "kl": [round(v, 5) for v in result.kl], "seconds": round(time.perf_counter() - started, 3)}
     return result.scales, entry

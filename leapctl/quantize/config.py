@@ -9,6 +9,8 @@ from leapctl.settings import setting
 
 SUPPORTED_BITS = (4,)
 METHODS = ("gptq", "rtn")
+# Calibration of a run whose masks used none (magnitude pruning): the shipped general-purpose text.
+DEFAULT_CALIB = "wiki-summaries"
 
 
 @dataclass
@@ -33,8 +35,9 @@ class QuantizeConfig:
     tune_lr: float = setting(1e-3, "Adam learning rate of the scale tuning (on log-scales; cosine to 0).")
     teacher: str = setting("", "Dense model the tuning distils from (default: the model the run was pruned "
                                "from, as its masks name it).", metavar="MODEL")
-    calib: str = setting("wiki-summaries", "Calibration text for gptq and tuning: file, folder, .jsonl, "
-                                           "saved dataset, wiki-summaries or generated.")
+    calib: str = setting("", "Calibration text for gptq and tuning: file, folder, .jsonl, saved dataset, "
+                             "wiki-summaries or generated (default: the text the run's masks were "
+                             f"calibrated or learned on, {DEFAULT_CALIB} when they used none).")
     nsamples: int = setting(128, "Calibration sequences (gptq and tuning).")
     seq_len: int = setting(512, "Tokens per calibration sequence (gptq and tuning).")
     seed: int = setting(0, "Seed of the calibration windows (or generated samples).")

@@ -68,6 +68,7 @@ class LeapSparseConfig(QuantizationConfig):
         self._dense_bytes = 0
         self._compute = "decoded to dense at load" if self.decode_dense else "compressed"
         self._compute_int8 = ""
+        self._native = False  # whether a layer multiplies through the native CPU kernel
 
     def get_name(self) -> str:
         return QUANT_METHOD
@@ -111,6 +112,7 @@ class LeapSparseConfig(QuantizationConfig):
                 self._compute = "compressed, decoded per call"
             return False
         self._compute = f"compressed, native CPU kernel ({cpu_kernel.current_isa()})"
+        self._native = True
         return True
 
     def int8_activations(self, weight: Q4Weight, dtype: torch.dtype) -> bool:
@@ -139,7 +141,7 @@ class LeapSparseConfig(QuantizationConfig):
                         self._compute + self._activations_note())
 
     def _activations_note(self) -> str:
-        if self.fmt != "bitmap-q4" or self.decode_dense or "native" not in self._compute:
+        if self.fmt != "bitmap-q4" or self.decode_dense or not self._native:
             return ""
         return f", decoding steps with {self._compute_int8 or self.activations + ' x'}"
 

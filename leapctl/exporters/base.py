@@ -9,7 +9,10 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -294,3 +297,22 @@ def bit_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
     first = differs.nonzero()[0].tolist()
     return (f"{int(differs.sum())} of {differs.numel()} weights differ from the reference, first at "
             f"{tuple(first)}: {got[tuple(first)].item()} vs {expected[tuple(first)].item()}")
+
+
+def compute_paths(report: Report, op: str) -> dict[str, Callable[[], AbstractContextManager]]:
+    """The ways serving can multiply a layer here, each as a context to run it in: "decode" (the portable op)
+    and the native CPU kernel `op` on every instruction set this CPU runs; a kernel that cannot be built or
+    lacks `op` is reported as not checked."""
+    from serving import cpu_kernel
+
+    paths: dict[str, Callable[[], AbstractContextManager]] = {"decode": nullcontext}
+    try:
+        native = cpu_kernel.load() and hasattr(torch.ops.leap_sparse_cpu, op)
+    except ValueError as exc:  # a bad LEAP_SPARSE_CPU_ISA
+        raise LeapctlError(str(exc)) from None
+    if native:
+        paths |= {isa: partial(cpu_kernel.using_isa, isa) for isa in cpu_kernel.supported_isas()}
+    else:
+        report.add("sparse-linear", "native CPU kernel", None,
+                   f"not checked: {cpu_kernel.unavailable_reason() or f'no {op} op'}")
+    return paths

@@ -6,13 +6,10 @@ fp32 (the run's dtype; vLLM casts them at load). Validation adds serving's ops o
 per-call decode op and the native kernel on every instruction set this CPU runs, against the dequantized
 dense matmul."""
 
-from contextlib import nullcontext
-from functools import partial
-
 import torch
 
 from leapctl.errors import LeapctlError
-from leapctl.exporters.base import Report, ValidateOptions, register
+from leapctl.exporters.base import Report, ValidateOptions, compute_paths, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
 from leapctl.quantize import LM_HEAD
 from leapctl.runs import Run
@@ -62,19 +59,9 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
     def check_compute(self, manifest: dict, tensors: dict, layers: dict[str, torch.Tensor], report: Report,
                       options: ValidateOptions) -> None:
         """serving's ops on each layer against x W^T with the decoded fp32 weight, for fp32 and bf16 x."""
-        from serving import cpu_kernel
         from serving.q4_linear import Q4Weight, bitmap_q4_linear
 
-        paths = {"decode": nullcontext}
-        try:
-            native = cpu_kernel.load() and hasattr(torch.ops.leap_sparse_cpu, "bitmap_q4_linear")
-        except ValueError as exc:  # a bad LEAP_SPARSE_CPU_ISA
-            raise LeapctlError(str(exc)) from None
-        if native:
-            paths |= {isa: partial(cpu_kernel.using_isa, isa) for isa in cpu_kernel.supported_isas()}
-        else:
-            report.add("sparse-linear", "native CPU kernel", None,
-                       f"not checked: {cpu_kernel.unavailable_reason() or 'no bitmap_q4_linear op'}")
+        paths = compute_paths(report, "bitmap_q4_linear")
         gen = torch.Generator().manual_seed(options.seed)
         for layer, weight in layers.items():
             stored = Q4Weight.from_tensors(self.name, self.layer_tensors(layer, manifest["layers"][layer],

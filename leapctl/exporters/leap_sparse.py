@@ -4,13 +4,9 @@ Each pruned linear X is stored as `X.shape` plus the format's tensors (`X.bitmap
 shard of `qkv_proj`. Besides the shared checks, validation runs serving's own CPU ops on every layer: the
 per-call decode op and the native kernel on every instruction set this CPU runs (AVX-512, AVX2)."""
 
-from contextlib import nullcontext
-from functools import partial
-
 import torch
 
-from leapctl.errors import LeapctlError
-from leapctl.exporters.base import Report, ValidateOptions, register
+from leapctl.exporters.base import Report, ValidateOptions, compute_paths, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
 from serving.contract import LeapSparseSettings
 
@@ -33,21 +29,11 @@ class LeapSparseExporter(SparseCheckpointExporter):
         """serving's CPU ops on each layer against the dense masked matmul in the same dtype: the decode op
         and the native kernel on each instruction set this CPU runs (when it can be built here)."""
         try:
-            from serving import cpu_kernel
             from serving.sparse_linear import BitmapWeight, bitmap_linear
         except ImportError as exc:
             report.add("sparse-linear", "all layers", None, f"serving.sparse_linear is not importable: {exc}")
             return
-        paths = {"decode": lambda: nullcontext()}
-        try:
-            native = cpu_kernel.load()
-        except ValueError as exc:  # a bad LEAP_SPARSE_CPU_ISA
-            raise LeapctlError(str(exc)) from None
-        if native:
-            paths |= {isa: partial(cpu_kernel.using_isa, isa) for isa in cpu_kernel.supported_isas()}
-        else:
-            report.add("sparse-linear", "native CPU kernel", None,
-                       f"not checked: {cpu_kernel.unavailable_reason()}")
+        paths = compute_paths(report, "bitmap_linear")
         gen = torch.Generator().manual_seed(options.seed)
         for layer, weight in layers.items():
             parts = self.layer_tensors(layer, manifest["layers"][layer], tensors)

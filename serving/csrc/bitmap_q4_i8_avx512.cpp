@@ -133,8 +133,11 @@ struct PairDecoder {
 // 2048 26.0, 4096 25.2, 8192 25.5, 16384 25.7; a second, L2 prefetch further ahead 26.7-28.6; prefetching
 // the masks (a quarter of the bytes) made no difference, so the hardware's stream prefetch has them.
 constexpr int64_t kPrefetchBytes = 4096;
-// The same for two blocks at a time (block_pair_m1): codes and masks ahead of a linear walk.
-constexpr int64_t kPairPrefetchBytes = 4096, kPairMaskPrefetchBytes = 2048;
+// The same for two blocks at a time (block_pair_m1): codes and masks this far beyond the next pass's.
+// Measured (model-shaped harness, cold, 40% kept): 0, 512, 1024 or 2048 bytes beyond the next pass's position
+// the same within noise (17.7-18.0 ms against the one-block kernel's 18.9-19.6); a walk at a fixed 4 KiB
+// from the pass's start was slower than the one-block kernel where a block's codes pass 4 KiB (down_proj).
+constexpr int64_t kPairPrefetchBytes = 1024, kPairMaskPrefetchBytes = 0;
 
 // Block `b`'s rows for rows m0 .. m0 + M of x. GP: pairs per group (0: p.group_pairs, read at run time).
 // `scales` has room for kPairRows * M * groups floats.
@@ -239,12 +242,18 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   const int64_t second = groups * R;
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
     {
-      // The two blocks' codes (and masks) are each other's neighbours: one sequential walk over what the next
-      // passes read, as fast as this pass reads (two code streams 4 KiB ahead each were slower cold).
-      const char* ahead = reinterpret_cast<const char*>(c0_start) + (c0 - c0_start) + (c1 - c1_start) + kPairPrefetchBytes;
+      // The two blocks' codes (and masks) are each other's neighbours: one walk over the next pass's codes
+      // (as long as this pass's, about) and masks, as fast as this pass reads its own.
+      const char* ahead = reinterpret_cast<const char*>(c1_start) + (c1_start - c0_start) + (c0 - c0_start) +
+                          (c1 - c1_start) + kPairPrefetchBytes;
       _mm_prefetch(ahead, _MM_HINT_T0);
       _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      if constexpr (!Dense) _mm_prefetch(reinterpret_cast<const char*>(masks0 + 2 * q * R) + kPairMaskPrefetchBytes, _MM_HINT_T0);
+      if constexpr (Dense) {
+        _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + 192, _MM_HINT_T0);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(masks1 + pairs * R + 2 * q * R) + kPairMaskPrefetchBytes, _MM_HINT_T0);
+      }
     }
     const __m512i x = _mm512_loadu_si512(xv + 64 * q);
     const __m512i start =

@@ -55,6 +55,16 @@
 // All of it against the kernel before (the reference command, decode_sweep.py EXPORT --pages huge --activations
 // int8 --sweeps 8, interleaved, 6 runs each): cold 24.6-25.2 ms (median 24.8) to 17.7-18.4 (18.1), hot
 // 19.0-20.0 (19.6) to 15.8-16.2 (15.9).
+// Then M = 1 with two blocks per pass (block_pair_m1: the x load, the starts, the prefetch and the loop shared by
+// 8 rows; the x scales spread once per call; each row folded in block<1>'s order, so bit for bit the same) and
+// its prefetch one pass ahead: the reference command, main and this kernel alternating, 6 runs each, the second
+// core quiet: mag50 cold 16.63-17.11 ms (median 16.95) to 15.46-16.15 (15.76), hot 15.72 to 14.41; mag60 cold
+// 16.64-17.10 (16.75) to 15.41-16.08 (15.65), hot 15.65 to 14.44. A stand-alone harness (L2-resident 512 x 2048,
+// 40% kept) gave 0.44 to 0.42 ns per word and row. Not kept: the two blocks' codes prefetched 4 KiB ahead of each
+// block's pointer (and their masks 1-4 KiB ahead): cold 5-30% slower than the one-block kernel (two interleaved
+// streams in the same pages: the hardware prefetcher no longer covers them); a walk 4 KiB beyond the pass's start
+// was 5% faster on 2048-column layers but slower on down_proj, whose block is larger than that. With the second
+// core busy, decode_sweep's cold figures ranged 16.6-31 ms in one run set: only quiet or interleaved runs count.
 #include <immintrin.h>
 
 #include <algorithm>

@@ -55,6 +55,16 @@
 // All of it against the kernel before (the reference command, decode_sweep.py EXPORT --pages huge --activations
 // int8 --sweeps 8, interleaved, 6 runs each): cold 24.6-25.2 ms (median 24.8) to 17.7-18.4 (18.1), hot
 // 19.0-20.0 (19.6) to 15.8-16.2 (15.9).
+// Then M = 1 with two blocks per pass (block_pair_m1: the x load, the starts, the prefetch and the loop shared by
+// 8 rows; the x scales spread once per call; each row folded in block<1>'s order, so bit for bit the same) and
+// its prefetch one pass ahead: the reference command, main and this kernel alternating, 6 runs each, the second
+// core quiet: mag50 cold 16.63-17.11 ms (median 16.95) to 15.46-16.15 (15.76), hot 15.72 to 14.41; mag60 cold
+// 16.64-17.10 (16.75) to 15.41-16.08 (15.65), hot 15.65 to 14.44. A stand-alone harness (L2-resident 512 x 2048,
+// 40% kept) gave 0.44 to 0.42 ns per word and row. Not kept: the two blocks' codes prefetched 4 KiB ahead of each
+// block's pointer (and their masks 1-4 KiB ahead): cold 5-30% slower than the one-block kernel (two interleaved
+// streams in the same pages: the hardware prefetcher no longer covers them); a walk 4 KiB beyond the pass's start
+// was 5% faster on 2048-column layers but slower on down_proj, whose block is larger than that. With the second
+// core busy, decode_sweep's cold figures ranged 16.6-31 ms in one run set: only quiet or interleaved runs count.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -133,6 +143,11 @@ struct PairDecoder {
 // 2048 26.0, 4096 25.2, 8192 25.5, 16384 25.7; a second, L2 prefetch further ahead 26.7-28.6; prefetching
 // the masks (a quarter of the bytes) made no difference, so the hardware's stream prefetch has them.
 constexpr int64_t kPrefetchBytes = 4096;
+// The same for two blocks at a time (block_pair_m1): codes and masks this far beyond the next pass's.
+// Measured (model-shaped harness, cold, 40% kept): 0, 512, 1024 or 2048 bytes beyond the next pass's position
+// the same within noise (17.7-18.0 ms against the one-block kernel's 18.9-19.6); a walk at a fixed 4 KiB
+// from the pass's start was slower than the one-block kernel where a block's codes pass 4 KiB (down_proj).
+constexpr int64_t kPairPrefetchBytes = 1024, kPairMaskPrefetchBytes = 0;
 
 // Block `b`'s rows for rows m0 .. m0 + M of x. GP: pairs per group (0: p.group_pairs, read at run time).
 // `scales` has room for kPairRows * M * groups floats.
@@ -202,12 +217,102 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   }
 }
 
+// M = 1: blocks b and b + 1 in one pass over the pairs (8 rows: the x load, the starts, the prefetch and the
+// loop's bookkeeping shared). Each row's sums are made and folded in the order block() folds them, so the
+// results are bit for bit block<1>'s. `scales` has room for 2 * kPairRows * groups floats; `spread` holds
+// the x scales spread over their groups' R lanes (x_spread below).
+template <int GP, bool Dense>
+void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float* spread) {
+  constexpr int R = kPairRows;
+  const PairDecoder dec;
+  const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
+  const uint16_t* sw = p.scales + b * groups * R;
+  for (int64_t i = 0; i < 2 * groups * R * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(sw + 2 * groups * R) + i, _MM_HINT_T0);
+  }
+  // The two blocks' tables, one after the other (their scales are too): 0.5 * s_w * s_x as block() makes them.
+  for (int64_t i = 0; i < groups * R; i += 16) {
+    const __mmask16 valid = groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (groups * R - i)) - 1);
+    const __m512 x = _mm512_load_ps(spread + i);
+    for (int64_t h = 0; h < 2 * groups * R; h += groups * R) {
+      const __m512 w = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + h + i)));
+      _mm512_mask_storeu_ps(scales + h + i, valid, _mm512_mul_ps(w, x));
+    }
+  }
+  __m512 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  const uint64_t* masks0 = Dense ? nullptr : p.masks + b * pairs * R;
+  const uint64_t* masks1 = Dense ? nullptr : masks0 + pairs * R;
+  const uint8_t* c0 = p.codes + p.block_offsets[b];
+  const uint8_t* c1 = p.codes + p.block_offsets[b + 1];
+  const uint8_t *const c0_start = c0, *const c1_start = c1;
+  const int8_t* xv = p.x_values;
+  const float* s = scales;
+  const int64_t second = groups * R;
+  for (int64_t q = 0, j = 0; q < pairs; ++q) {
+    {
+      // The two blocks' codes (and masks) are each other's neighbours: one walk over the next pass's codes
+      // (as long as this pass's, about) and masks, as fast as this pass reads its own.
+      const char* ahead = reinterpret_cast<const char*>(c1_start) + (c1_start - c0_start) + (c0 - c0_start) +
+                          (c1 - c1_start) + kPairPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      if constexpr (Dense) {
+        _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + 192, _MM_HINT_T0);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(masks1 + pairs * R + 2 * q * R) + kPairMaskPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+    const __m512i x = _mm512_loadu_si512(xv + 64 * q);
+    const __m512i start =
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = dec.next<Dense>(c0, masks0, q, r);
+      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, x)), _mm512_set1_ps(s[r]), acc[0][r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = dec.next<Dense>(c1, masks1, q, r);
+      acc[1][r] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, x)), _mm512_set1_ps(s[second + r]), acc[1][r]);
+    }
+    if (++j == gp) {
+      j = 0;
+      s += R;
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row0 = (b + h) * R, real = std::min<int64_t>(R, p.rows - row0);
+    const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
+                                          : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << real) - 1), p.bias + row0);
+    const __m128 sums = _mm_add_ps(sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), bias);
+    if (p.dtype == DType::BF16) {
+      store4<DType::BF16>(p.y, row0, sums, static_cast<int>(real));
+    } else {
+      store4<DType::F32>(p.y, row0, sums, static_cast<int>(real));
+    }
+  }
+}
+
 template <int GP, bool Dense>
 void blocks(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   using Fn = void (*)(const Q4PairProblem&, int64_t, int64_t, float*);
   static constexpr Fn kChunks[kPairChunkM] = {&block<1, GP, Dense>, &block<2, GP, Dense>, &block<3, GP, Dense>,
                                               &block<4, GP, Dense>};
   float* scales = static_cast<float*>(std::aligned_alloc(64, ((kPairRows * kPairChunkM * p.groups + 15) / 16 + 1) * 64));
+  if (p.m == 1) {
+    // 0.5 * s_x spread over each group's R lanes, once per call, padded to whole registers.
+    const int64_t n = kPairRows * p.groups;
+    float* spread = static_cast<float*>(std::aligned_alloc(64, ((n + 15) / 16) * 64));
+    for (int64_t i = 0; i < n; ++i) spread[i] = p.x_scales[i / kPairRows];
+    int64_t b = block_begin;
+    for (; b + 1 < block_end; b += 2) block_pair_m1<GP, Dense>(p, b, scales, spread);
+    if (b < block_end) block<1, GP, Dense>(p, b, 0, scales);
+    std::free(spread);
+    std::free(scales);
+    return;
+  }
   for (int64_t b = block_begin; b < block_end; ++b) {
     // Above kPairChunkM rows of x, the block's later chunks decode it again from L1/L2.
     for (int64_t m0 = 0; m0 < p.m; m0 += kPairChunkM) kChunks[std::min<int64_t>(kPairChunkM, p.m - m0) - 1](p, b, m0, scales);

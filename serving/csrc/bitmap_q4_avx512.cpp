@@ -479,6 +479,29 @@ void q4_decode_rows_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, i
   }
 }
 
+// Prefill with bf16 x: the fp32 values above (scale * level, exact) rounded once to bf16 by vcvtne2ps2bf16
+// (round to nearest even, as ATen's conversion; it reads denormals as zero, and none occur: the smallest
+// nonzero weight is 2^-25), so that the GEMM reads a bf16 tile without a separate conversion pass.
+void q4_decode_rows_bf16_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, uint16_t* out,
+                                int64_t out_stride) {
+  const Decoder dec;
+  const uint8_t* base = codes.base - codes.first;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const uint8_t* c = base + p.row_offsets[row];
+    const uint8_t* bits = p.bitmap + row * (p.cols / 8);
+    const uint16_t* sc = p.scales + row * p.groups;
+    uint16_t* o = out + (row - row_begin) * out_stride;
+    for (int64_t w = 0; w < p.cols / 32; ++w) {
+      const uint32_t mask = mask_word(bits, w);
+      const __m512i e = dec.word(mask, c);
+      c += code_bytes(mask);
+      const __m512 s = scale_of(sc, w / p.group_words);
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(high_ps(e), s), _mm512_mul_ps(low_ps(e), s));
+      _mm512_storeu_si512(o + 32 * w, (__m512i)both);
+    }
+  }
+}
+
 }  // namespace leap_sparse
 
 #pragma GCC pop_options

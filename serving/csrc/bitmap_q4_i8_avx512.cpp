@@ -298,6 +298,33 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
   }
 }
 
+// Prefill with bf16 x: q4_pairs_decode_blocks_avx512's exact fp32 values rounded once to bf16 (vcvtne2ps2bf16,
+// round to nearest even as ATen's conversion; no denormals occur), so that the GEMM reads a bf16 tile without
+// a separate conversion pass.
+void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
+                                        uint16_t* out, int64_t out_stride) {
+  const PairDecoder dec;
+  const int64_t pairs = p.cols / 64;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const uint64_t* masks = p.masks == nullptr ? nullptr : p.masks + b * pairs * kPairRows;
+    const uint8_t* c = p.codes + p.block_offsets[b];
+    const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
+    for (int64_t q = 0; q < pairs; ++q) {
+      for (int r = 0; r < kPairRows; ++r) {
+        const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
+        const __m512i w = _mm512_sub_epi8(u, dec.fifteen);  // the levels, 0 where pruned
+        if (r >= real) continue;
+        const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));
+        uint16_t* dst = out + (row0 + r - kPairRows * block_begin) * out_stride + 64 * q;
+        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_mul_ps(s, quarter<1>(w)), _mm512_mul_ps(s, quarter<0>(w)));
+        const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_mul_ps(s, quarter<3>(w)), _mm512_mul_ps(s, quarter<2>(w)));
+        _mm512_storeu_si512(dst, (__m512i)lo);
+        _mm512_storeu_si512(dst + 32, (__m512i)hi);
+      }
+    }
+  }
+}
+
 }  // namespace leap_sparse
 
 #pragma GCC pop_options

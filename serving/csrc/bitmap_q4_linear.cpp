@@ -151,10 +151,14 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
 
   // Exact fp32 tiles and ATen's GEMM (bf16-rounded tiles for bf16 x).
   const auto decode = isa == Q4Isa::Avx512 ? q4_decode_rows_avx512 : q4_decode_rows_avx2;
-  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (n_cols * 4), 16, rows);
-  tiled_gemm(x2, bias, rows, tile_rows, y, [&](int64_t first, int64_t last, float* tile) {
+  tiled_gemm(x2, bias, rows, 1, y, isa == Q4Isa::Avx512, [&](int64_t first, int64_t last, void* tile, bool bf16) {
     parallel_rows(first, last, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
-      decode(p, in_tail ? padded : whole, begin, end, tile + (begin - first) * n_cols, n_cols);
+      const Codes c = in_tail ? padded : whole;
+      if (bf16) {
+        q4_decode_rows_bf16_avx512(p, c, begin, end, static_cast<uint16_t*>(tile) + (begin - first) * n_cols, n_cols);
+      } else {
+        decode(p, c, begin, end, static_cast<float*>(tile) + (begin - first) * n_cols, n_cols);
+      }
     });
   });
   return y;

@@ -1,0 +1,111 @@
+"""Prefill (M rows of x at once) of the bitmap-q4 ops against dense bf16 `F.linear`, per Llama-3.2-1B shape.
+
+    taskset -c 0 python bench/prefill_q4.py [--tokens 400] [--sparsities 0.5 0.6] [--group 64] [--repeats 9]
+                                            [--shapes qkv o gate_up down lm_head] [--isa auto]
+
+For each projection of one Llama-3.2-1B layer as vLLM merges them (qkv 3072x2048, o 2048x2048, gate_up
+16384x2048, down 2048x8192) and the 4-bit dense lm_head (49152x2048... the tied head, never pruned), with a
+random weight masked exactly per row at each sparsity, it times side by side, taking turns call by call:
+- dense: `torch.nn.functional.linear(x, W)` with x and the same (decoded) W in bf16, what stock vLLM runs;
+- q4-i8: `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear` on `Q4Weight.pairs()` (the served default; above
+  8 rows of x it multiplies x as it is), where the CPU has AVX-512 VNNI;
+- q4: `torch.ops.leap_sparse_cpu.bitmap_q4_linear` on the stored bitmap-q4 tensors.
+x is bf16 [tokens, in]. Prints medians (ms) and each op's ratio to dense, per shape and summed over the
+layer's four projections. Run it pinned to one core with torch at one thread (it sets 1 thread).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serving import cpu_kernel  # noqa: E402
+from serving.q4_linear import Q4Weight  # noqa: E402
+from sparse_formats import get_format  # noqa: E402
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (49152, 2048)}
+LAYER = ("qkv", "o", "gate_up", "down")  # one decoder layer's projections
+
+
+def weights(n: int, k: int, sparsity: float, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    mask = torch.rand(n, k, generator=gen).argsort(dim=1) >= round(k * sparsity)  # exact per row
+    t = get_format("bitmap-q4").encode(weight, mask, group_size=group)
+    q4 = Q4Weight.from_tensors("bitmap-q4", t)
+    return t, q4, get_format("bitmap-q4").decode(t).to(torch.bfloat16)
+
+
+def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs) -> dict:
+    """The calls to time: dense F.linear, the int8-x op on the pair layout (where available), the q4 op."""
+    ops = torch.ops.leap_sparse_cpu
+    k = x.shape[-1]
+    made = {"dense": lambda: F.linear(x, dense)}
+    if pairs is not None:
+        made["q4-i8"] = lambda: ops.bitmap_q4_i8_linear(x, *pairs.tensors().values(), pairs.n_rows, k, None)
+    parts = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"])
+    made["q4"] = lambda: ops.bitmap_q4_linear(x, *parts, k, None)
+    return made
+
+
+def time_ops(ops: dict, repeats: int) -> dict[str, float]:
+    for _ in range(3):  # warm-up: the first calls in a process run slower (oneDNN primitives, pages)
+        for run in ops.values():
+            run()
+    samples = {name: [] for name in ops}
+    for i in range(repeats):
+        order = list(ops.items())
+        order = order[i % len(order):] + order[:i % len(order)]
+        for name, run in order:
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.5, 0.6])
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--isa", default="auto", choices=["auto", *cpu_kernel.ISAS])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
+    torch.ops.leap_sparse_cpu.set_isa(args.isa)
+    i8 = cpu_kernel.int8_kernel_available()
+    print(f"M = {args.tokens} bf16 rows, group {args.group}, isa {cpu_kernel.current_isa()}, 1 thread; ms, "
+          f"medians of {args.repeats}")
+    for sparsity in args.sparsities:
+        totals: dict[str, float] = {}
+        print(f"\nsparsity {sparsity:.0%}" + "  (lm_head: every weight kept)" * ("lm_head" in args.shapes))
+        print(f"{'shape':>8} {'n x k':>12} {'dense':>8} {'q4-i8':>8} {'ratio':>6} {'q4':>8} {'ratio':>6}")
+        for name in args.shapes:
+            n, k = SHAPES[name]
+            t, q4, dense = weights(n, k, 0.0 if name == "lm_head" else sparsity, args.group, seed=n + k)
+            pairs = q4.pairs() if i8 else None
+            x = torch.randn(args.tokens, k).to(torch.bfloat16)
+            ms = time_ops(make_ops(x, t, dense, pairs), args.repeats)
+            if name in LAYER:
+                for op, v in ms.items():
+                    totals[op] = totals.get(op, 0.0) + v
+            i8_ms = ms.get("q4-i8", float("nan"))
+            print(f"{name:>8} {f'{n}x{k}':>12} {ms['dense']:8.2f} {i8_ms:8.2f} {i8_ms / ms['dense']:6.3f} "
+                  f"{ms['q4']:8.2f} {ms['q4'] / ms['dense']:6.3f}", flush=True)
+        if totals:
+            i8_ms = totals.get("q4-i8", float("nan"))
+            print(f"{'layer':>8} {'':>12} {totals['dense']:8.2f} {i8_ms:8.2f} {i8_ms / totals['dense']:6.3f} "
+                  f"{totals['q4']:8.2f} {totals['q4'] / totals['dense']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()

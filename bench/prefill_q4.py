@@ -6,12 +6,14 @@
 For each projection of one Llama-3.2-1B layer as vLLM merges them (qkv 3072x2048, o 2048x2048, gate_up
 16384x2048, down 2048x8192) and the 4-bit dense lm_head (49152x2048... the tied head, never pruned), with a
 random weight masked exactly per row at each sparsity, it times side by side, taking turns call by call:
-- dense: `torch.nn.functional.linear(x, W)` with x and the same (decoded) W in bf16, what stock vLLM runs;
+- dense: `torch.nn.functional.linear(x, W)` with x and the same (decoded) W in bf16;
+- onednn: what stock vLLM runs for that dense layer on this CPU (`dispatch_cpu_unquantized_gemm`: oneDNN with
+  the weight packed once, `vllm._custom_ops.create_onednn_mm` + `onednn_mm`), where vLLM's CPU ops import;
 - q4-i8: `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear` on `Q4Weight.pairs()` (the served default; above
   8 rows of x it multiplies x as it is), where the CPU has AVX-512 VNNI;
 - q4: `torch.ops.leap_sparse_cpu.bitmap_q4_linear` on the stored bitmap-q4 tensors.
-x is bf16 [tokens, in]. Prints medians (ms) and each op's ratio to dense, per shape and summed over the
-layer's four projections. Run it pinned to one core with torch at one thread (it sets 1 thread).
+x is bf16 [tokens, in]. Prints medians (ms) and each op's ratio to dense and to onednn, per shape and summed
+over the layer's four projections. Run it pinned to one core with torch at one thread (it sets 1 thread).
 """
 
 import argparse
@@ -24,6 +26,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_kernels import onednn_ops  # noqa: E402
 
 from serving import cpu_kernel  # noqa: E402
 from serving.q4_linear import Q4Weight  # noqa: E402
@@ -43,11 +48,15 @@ def weights(n: int, k: int, sparsity: float, group: int, seed: int):
     return t, q4, get_format("bitmap-q4").decode(t).to(torch.bfloat16)
 
 
-def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs) -> dict:
-    """The calls to time: dense F.linear, the int8-x op on the pair layout (where available), the q4 op."""
+def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs, onednn) -> dict:
+    """The calls to time: dense F.linear, vLLM's oneDNN linear (where available), the int8-x op on the pair
+    layout (where available), the q4 op."""
     ops = torch.ops.leap_sparse_cpu
     k = x.shape[-1]
     made = {"dense": lambda: F.linear(x, dense)}
+    if onednn is not None:
+        handler = onednn[0](dense.t(), 32)
+        made["onednn"] = lambda: onednn[1](handler, x, None)
     if pairs is not None:
         made["q4-i8"] = lambda: ops.bitmap_q4_i8_linear(x, *pairs.tensors().values(), pairs.n_rows, k, None)
     parts = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"])
@@ -83,29 +92,34 @@ def main() -> None:
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
     torch.ops.leap_sparse_cpu.set_isa(args.isa)
     i8 = cpu_kernel.int8_kernel_available()
+    onednn = onednn_ops()
     print(f"M = {args.tokens} bf16 rows, group {args.group}, isa {cpu_kernel.current_isa()}, 1 thread; ms, "
           f"medians of {args.repeats}")
     for sparsity in args.sparsities:
         totals: dict[str, float] = {}
         print(f"\nsparsity {sparsity:.0%}" + "  (lm_head: every weight kept)" * ("lm_head" in args.shapes))
-        print(f"{'shape':>8} {'n x k':>12} {'dense':>8} {'q4-i8':>8} {'ratio':>6} {'q4':>8} {'ratio':>6}")
+        ratios = f"{'/dense':>6} {'/onednn':>7}"
+        print(f"{'shape':>8} {'n x k':>12} {'dense':>8} {'onednn':>8} {'q4-i8':>8} {ratios} {'q4':>8} "
+              f"{ratios}")
         for name in args.shapes:
             n, k = SHAPES[name]
             t, q4, dense = weights(n, k, 0.0 if name == "lm_head" else sparsity, args.group, seed=n + k)
             pairs = q4.pairs() if i8 else None
             x = torch.randn(args.tokens, k).to(torch.bfloat16)
-            ms = time_ops(make_ops(x, t, dense, pairs), args.repeats)
+            ms = time_ops(make_ops(x, t, dense, pairs, onednn), args.repeats)
             if name in LAYER:
                 for op, v in ms.items():
                     totals[op] = totals.get(op, 0.0) + v
-            i8_ms = ms.get("q4-i8", float("nan"))
-            print(f"{name:>8} {f'{n}x{k}':>12} {ms['dense']:8.2f} {i8_ms:8.2f} {i8_ms / ms['dense']:6.3f} "
-                  f"{ms['q4']:8.2f} {ms['q4'] / ms['dense']:6.3f}", flush=True)
+            print(row(name, f"{n}x{k}", ms), flush=True)
         if totals:
-            i8_ms = totals.get("q4-i8", float("nan"))
-            print(f"{'layer':>8} {'':>12} {totals['dense']:8.2f} {i8_ms:8.2f} {i8_ms / totals['dense']:6.3f} "
-                  f"{totals['q4']:8.2f} {totals['q4'] / totals['dense']:6.3f}")
+            print(row("layer", "", totals))
 
+
+def row(name: str, shape: str, ms: dict[str, float]) -> str:
+    nan = float("nan")
+    dense, onednn, i8, q4 = (ms.get(op, nan) for op in ("dense", "onednn", "q4-i8", "q4"))
+    return (f"{name:>8} {shape:>12} {dense:8.2f} {onednn:8.2f} "
+            f"{i8:8.2f} {i8 / dense:6.3f} {i8 / onednn:7.3f} {q4:8.2f} {q4 / dense:6.3f} {q4 / onednn:7.3f}")
 
 if __name__ == "__main__":
     main()

@@ -298,12 +298,18 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
   }
 }
 
-// Prefill with bf16 x: q4_pairs_decode_blocks_avx512's exact fp32 values rounded once to bf16 (vcvtne2ps2bf16,
-// round to nearest even as ATen's conversion; no denormals occur), so that the GEMM reads a bf16 tile without
-// a separate conversion pass.
+// Prefill with bf16 x: q4_pairs_decode_blocks_avx512's exact fp32 values rounded once to bf16 (round to nearest
+// even as ATen's conversion), so that the GEMM reads a bf16 tile without a separate conversion pass. Per row and
+// pair a 32-word table: word 2c = bf16(s * (c - 7.5)) (the exact fp32 product, vcvtneps2bf16; it reads
+// denormals as zero and none occur), odd words +0 (a pruned weight: 0 * s, the format refuses negative s); the pair
+// decoder's bytes (2 * code where kept, 15 elsewhere) widened to words index it with vpermw. Measured against
+// converting each weight's fp32 product (per (row, pair) 4 x widen, convert, multiply; 2 x vcvtne2ps2bf16):
+// bench/prefill_q4.py's Llama-3.2-1B shapes, 50%, ... (see the report in op_common.h).
 void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
                                         uint16_t* out, int64_t out_stride) {
   const PairDecoder dec;
+  const __m512 levels = _mm512_set_ps(7.5f, 6.5f, 5.5f, 4.5f, 3.5f, 2.5f, 1.5f, 0.5f, -0.5f, -1.5f, -2.5f, -3.5f,
+                                      -4.5f, -5.5f, -6.5f, -7.5f);
   const int64_t pairs = p.cols / 64;
   for (int64_t b = block_begin; b < block_end; ++b) {
     const uint64_t* masks = p.masks == nullptr ? nullptr : p.masks + b * pairs * kPairRows;
@@ -312,14 +318,16 @@ void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_be
     for (int64_t q = 0; q < pairs; ++q) {
       for (int r = 0; r < kPairRows; ++r) {
         const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
-        const __m512i w = _mm512_sub_epi8(u, dec.fifteen);  // the levels, 0 where pruned
         if (r >= real) continue;
-        const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));
+        const uint16_t h = p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r];
+        const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+        const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, levels));
+        const __m512i table = _mm512_cvtepu16_epi32(values);
         uint16_t* dst = out + (row0 + r - kPairRows * block_begin) * out_stride + 64 * q;
-        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_mul_ps(s, quarter<1>(w)), _mm512_mul_ps(s, quarter<0>(w)));
-        const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_mul_ps(s, quarter<3>(w)), _mm512_mul_ps(s, quarter<2>(w)));
-        _mm512_storeu_si512(dst, (__m512i)lo);
-        _mm512_storeu_si512(dst + 32, (__m512i)hi);
+        const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
+        const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(lo, table));
+        _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(hi, table));
       }
     }
   }

@@ -113,9 +113,14 @@ void parallel_rows(int64_t begin, int64_t end, int64_t grain, int64_t unpadded, 
 // vLLM bf16, to 0.91 s): `bf16_tiles` says that decode writes bf16 tiles itself (the AVX-512 kernels), else
 // ATen converts the fp32 tile. fp16 and fp32 x multiply the exact fp32 tile in fp32. Where y has the GEMM's
 // dtype, each tile's product goes into y's columns directly (at::mm_out on the strided view), else through
-// a copy. Measured (bench/prefill_q4.py, Llama-3.2-1B's layer at M = 400, 50%, 1 thread): fp32 tiles
-// converted by ATen and copied into y took 1.02-1.06x dense bf16 F.linear per projection; decoding bf16
-// directly and mm_out 0.99-1.01x; with the tile at 1M weights instead of 0.5M, 0.98-0.99x.
+// a copy.
+// Measured (bench/prefill_q4.py, Llama-3.2-1B's projections at M = 400 bf16 rows, 50%, 1 thread on core 0):
+// fp32 tiles converted by ATen and copied into y took 1.02-1.06x dense bf16 F.linear per projection; bf16
+// tiles decoded directly and mm_out 0.99-1.01x; tiles of 1M weights instead of 0.5M 0.98-0.99x. Split (the
+// decode or the GEMM skipped, gate_up 16384x2048): the tiles' GEMMs alone take what vLLM's oneDNN linear with
+// its weight packed once takes (56.1 against 56.1 ms; F.linear 59.2, which reorders the whole weight per
+// call), so what is left is the decode: 1.84 ms with a conversion per weight, 1.3-1.4 ms from the tables of
+// the bf16 decode functions, 2-2.5% of the op. Not kept: the tile's memory kept between calls (no change).
 template <typename Decode>
 void tiled_gemm(const at::Tensor& x2, const std::optional<at::Tensor>& bias, int64_t rows, int64_t align,
                 at::Tensor& y, bool bf16_tiles, const Decode& decode) {

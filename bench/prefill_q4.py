@@ -1,10 +1,12 @@
-"""Prefill (M rows of x at once) of the bitmap-q4 ops against dense bf16 `F.linear`, per Llama-3.2-1B shape.
+"""Prefill (M rows of x at once) of the bitmap-q4 ops against dense bf16 `F.linear`, per projection shape.
 
     taskset -c 0 python bench/prefill_q4.py [--tokens 400] [--sparsities 0.5 0.6] [--group 64] [--repeats 9]
                                             [--shapes qkv o gate_up down lm_head] [--isa auto]
+                                            [--model Llama-3.2-1B | SmolLM2-135M]
 
 For each projection of one Llama-3.2-1B layer as vLLM merges them (qkv 3072x2048, o 2048x2048, gate_up
-16384x2048, down 2048x8192) and the 4-bit dense lm_head (49152x2048... the tied head, never pruned), with a
+16384x2048, down 2048x8192; --model SmolLM2-135M: 960x576, 576x576, 3072x576, 576x1536) and the 4-bit dense
+lm_head (Llama-3.2-1B: 49152x2048, SmolLM2-135M: 49152x576; the tied head, never pruned), with a
 random weight masked exactly per row at each sparsity, it times side by side, taking turns call by call:
 - dense: `torch.nn.functional.linear(x, W)` with x and the same (decoded) W in bf16;
 - onednn: what stock vLLM runs for that dense layer on this CPU (`dispatch_cpu_unquantized_gemm`: oneDNN with
@@ -25,6 +27,8 @@ runs of the two builds alternated), layer sums, ratio to dense F.linear / to vLL
   projection q4-i8 0.98-1.01 / 1.02-1.05, gate_up 16384x2048 57.6-59.5 ms against oneDNN 56.1-58.2).
 vLLM's oneDNN linear (the weight packed once) runs 3.5-5% faster than F.linear (which reorders the whole
 weight every call); the tiles' GEMMs alone match it, and the remaining 2-4% is the decode of the tiles.
+SmolLM2-135M after (medians of 15, one run): layer q4-i8 1.008-1.023 / 1.057-1.077, q4 1.006-1.009 /
+1.054-1.063; its 576-column projections take 0.5-3 ms, where oneDNN's packed weight gains 5-6% over F.linear.
 """
 
 import argparse
@@ -45,8 +49,13 @@ from serving import cpu_kernel  # noqa: E402
 from serving.q4_linear import Q4Weight  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
 
-SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-          "lm_head": (49152, 2048)}
+MODELS = {  # model -> {projection: [n, k]}
+    "Llama-3.2-1B": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+                     "lm_head": (49152, 2048)},
+    "SmolLM2-135M": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                     "lm_head": (49152, 576)},
+}
+SHAPES = MODELS["Llama-3.2-1B"]
 LAYER = ("qkv", "o", "gate_up", "down")  # one decoder layer's projections
 
 
@@ -98,6 +107,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--isa", default="auto", choices=["auto", *cpu_kernel.ISAS])
+    parser.add_argument("--model", default="Llama-3.2-1B", choices=list(MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
@@ -113,7 +123,7 @@ def main() -> None:
         print(f"{'shape':>8} {'n x k':>12} {'dense':>8} {'onednn':>8} {'q4-i8':>8} {ratios} {'q4':>8} "
               f"{ratios}")
         for name in args.shapes:
-            n, k = SHAPES[name]
+            n, k = MODELS[args.model][name]
             t, q4, dense = weights(n, k, 0.0 if name == "lm_head" else sparsity, args.group, seed=n + k)
             pairs = q4.pairs() if i8 else None
             x = torch.randn(args.tokens, k).to(torch.bfloat16)

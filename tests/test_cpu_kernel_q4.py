@@ -120,6 +120,21 @@ def test_small_integers_give_exact_results(op, isa, one_thread, xdtype, m):
     assert torch.equal(call(op, x, t), expected)
 
 
+@pytest.mark.parametrize("xdtype", XDTYPES, ids=str)
+def test_the_gemm_tiles_are_the_stored_weight_rounded_once(op, isa, one_thread, xdtype):
+    """Above SPARSE_MAX_M rows x = I gives the tiles themselves: for fp16 and fp32 x the exact weight, for
+    bf16 x the exact weight rounded once to bf16 (the AVX-512 kernels write bf16 tiles directly, AVX2
+    converts its fp32 ones), bit for bit; scales from 2^-20 to 2^10, densities 0, 0.5 and 1, rows over
+    several tiles."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, cols, group in [(67, 576, 64), (13, 2176, 128), (300, 4096, 64)]:
+        weight = torch.randn(rows, cols, generator=gen) * torch.logspace(-6, 3, rows).unsqueeze(1)
+        for density in DENSITIES:
+            t = FMT.encode(weight, torch.rand(rows, cols, generator=gen) < density, group_size=group)
+            got = call(op, torch.eye(cols).to(xdtype), t)
+            assert torch.equal(got.T, FMT.decode(t).to(xdtype)), (isa, rows, cols, density)
+
+
 def test_thread_count_does_not_change_the_result(op, isa):
     """Each output is summed by one thread in a fixed order, so 1 and 2 threads agree exactly."""
     t = encoded(301, 576, 0.4)

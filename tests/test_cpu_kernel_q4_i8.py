@@ -82,6 +82,19 @@ def test_the_pair_layout_decodes_to_the_stored_weight_exactly(op, one_thread):
             assert torch.equal(got.T, FMT.decode(t)), (rows, cols, group, density)
 
 
+def test_bf16_tiles_are_the_stored_weight_rounded_once(op, one_thread):
+    """With bf16 x above 8 rows the op decodes bf16 tiles directly: x = I gives W^T rounded once to bf16 (as
+    ATen rounds the exact fp32 tile), bit for bit, scales from 2^-20 to 2^10, blocks padded or not, the dense
+    layout, rows over several tiles."""
+    gen = torch.Generator().manual_seed(7)
+    for rows, cols, group in [*SHAPES[:5], (16, 192, 64), (300, 4096, 64)]:
+        weight = torch.randn(rows, cols, generator=gen) * torch.logspace(-6, 3, rows).unsqueeze(1)
+        for density in DENSITIES:
+            t = FMT.encode(weight, torch.rand(rows, cols, generator=gen) < density, group_size=group)
+            got = call(op, torch.eye(cols).to(torch.bfloat16), pairs_of(t))
+            assert torch.equal(got.T, FMT.decode(t).to(torch.bfloat16)), (rows, cols, group, density)
+
+
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
 def test_every_m_and_density_matches_the_reference(op, threads, xdtype, shape):

@@ -6,7 +6,8 @@
 //   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None)
 //       -> y = x W^T + b from the pair layout: up to kPairMaxM rows of x are quantized to int8 per row and
 //          weight group (scale max|x| / 127) and multiplied in integers; more rows (prefill) multiply x as
-//          it is with exact decoded tiles of W (rounded to bf16 for bf16 x), as bitmap_q4_linear does.
+//          it is with exact decoded tiles of W (for bf16 x decoded straight to bf16: each exact value rounded
+//          once), as bitmap_q4_linear does.
 // A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -190,11 +191,15 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     return y;
   }
 
-  // Prefill: x as it is against exact tiles (bf16-rounded for bf16 x), whole blocks of rows per tile.
-  const int64_t tile_blocks = std::clamp<int64_t>(kTileBytes / (n_cols * 4 * kPairRows), 4, blocks);
-  tiled_gemm(x2, bias, rows, tile_blocks * kPairRows, y, [&](int64_t first, int64_t last, float* tile) {
+  // Prefill: x as it is against exact tiles (decoded straight to bf16 for bf16 x), whole blocks of rows per tile.
+  tiled_gemm(x2, bias, rows, kPairRows, y, true, [&](int64_t first, int64_t last, void* tile, bool bf16) {
     at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
-      q4_pairs_decode_blocks_avx512(p, begin, end, tile + (begin * kPairRows - first) * n_cols, n_cols);
+      const int64_t at_row = (begin * kPairRows - first) * n_cols;
+      if (bf16) {
+        q4_pairs_decode_blocks_bf16_avx512(p, begin, end, static_cast<uint16_t*>(tile) + at_row, n_cols);
+      } else {
+        q4_pairs_decode_blocks_avx512(p, begin, end, static_cast<float*>(tile) + at_row, n_cols);
+      }
     });
   });
   return y;

@@ -115,4 +115,13 @@ void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, in
 void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
                                    int64_t out_stride);
 
+// ---- bf16 tiles for prefill with bf16 x (at the ends of bitmap_q4_avx512.cpp and bitmap_q4_i8_avx512.cpp) ----
+//
+// As q4_decode_rows_avx512 and q4_pairs_decode_blocks_avx512, but each exact fp32 value rounded once to bf16
+// (round to nearest even: bit for bit the fp32 tile converted by ATen), into bf16 out (uint16_t).
+void q4_decode_rows_bf16_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end, uint16_t* out,
+                                int64_t out_stride);
+void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
+                                        uint16_t* out, int64_t out_stride);
+
 }  // namespace leap_sparse

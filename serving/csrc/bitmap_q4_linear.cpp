@@ -6,8 +6,9 @@
 // Registered as a fragment of the leap_sparse_cpu library that bitmap_linear.cpp defines, and using the
 // instruction set that its isa()/set_isa() choose (one choice for both ops). Up to kSparseMaxM rows of x
 // run the sparse kernels, which read each weight's bitmap, codes and scales once per call; more rows
-// (prefill) decode fp32 tiles of W (exact; rounded to bf16 for bf16 x) and multiply them with ATen's GEMM. Work is split over output
-// rows with ATen's thread pool and thread count.
+// (prefill) decode tiles of W (exact fp32; for bf16 x bf16, each exact value rounded once, straight from the
+// AVX-512 kernel) and multiply them with ATen's GEMM. Work is split over output rows with ATen's thread pool
+// and thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -149,12 +150,17 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
     return y;
   }
 
-  // Exact fp32 tiles and ATen's GEMM (bf16-rounded tiles for bf16 x).
+  // Exact fp32 tiles and ATen's GEMM (for bf16 x bf16 tiles: the AVX-512 kernel writes them, AVX2's fp32 ones
+  // are converted by ATen).
   const auto decode = isa == Q4Isa::Avx512 ? q4_decode_rows_avx512 : q4_decode_rows_avx2;
-  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (n_cols * 4), 16, rows);
-  tiled_gemm(x2, bias, rows, tile_rows, y, [&](int64_t first, int64_t last, float* tile) {
+  tiled_gemm(x2, bias, rows, 1, y, isa == Q4Isa::Avx512, [&](int64_t first, int64_t last, void* tile, bool bf16) {
     parallel_rows(first, last, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
-      decode(p, in_tail ? padded : whole, begin, end, tile + (begin - first) * n_cols, n_cols);
+      const Codes c = in_tail ? padded : whole;
+      if (bf16) {
+        q4_decode_rows_bf16_avx512(p, c, begin, end, static_cast<uint16_t*>(tile) + (begin - first) * n_cols, n_cols);
+      } else {
+        decode(p, c, begin, end, static_cast<float*>(tile) + (begin - first) * n_cols, n_cols);
+      }
     });
   });
   return y;

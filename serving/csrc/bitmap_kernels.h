@@ -24,13 +24,22 @@ constexpr int64_t kValuePad = 64;
 // 0.74-0.81x, at 64 the decoded tiles were ahead (0.78-0.82x against 0.52-0.80x).
 constexpr int64_t kSparseMaxM = 40;
 
-struct Problem {
-  DType dtype;                 // of values, x and y
+// What every kernel's problem has (set by op_common.h's set_operands): the weight's shape, the rows of x and
+// where y goes. Each layout's problem adds its weight's and x's pointers.
+struct Operands {
+  DType dtype;  // of y (and of x as the op hands it over)
+  int64_t rows;
+  int64_t cols;
+  int64_t m;          // rows of x
+  const float* bias;  // [rows] in fp32, or nullptr
+  void* y;            // [m, y_stride] of dtype
+  int64_t y_stride;
+};
+
+struct Problem : Operands {    // dtype: also of the values
   const uint8_t* bitmap;       // [rows, bitmap_stride]
   int64_t bitmap_stride;       // ceil(cols / 8)
   const int64_t* row_offsets;  // [rows], index of each row's first value
-  int64_t rows;
-  int64_t cols;
   // x as the op packs it, zeros past cols up to a whole 32-column word. fp32: m rows of x_stride
   // elements (a multiple of 32). bf16 when x_is_bf16 (the AVX-512 kernel multiplies bf16 pairs):
   // interleaved by word, word w of row i at element (w * m + i) * 32, so one pointer walks a word of
@@ -38,10 +47,6 @@ struct Problem {
   const void* x;
   int64_t x_stride;
   bool x_is_bf16;
-  int64_t m;
-  const float* bias;  // [rows] in fp32, or nullptr
-  void* y;            // [m, y_stride] of dtype
-  int64_t y_stride;
 };
 
 // Where a range of rows finds its values: row r's first value is element row_offsets[r] - first of

@@ -23,24 +23,17 @@ namespace leap_sparse {
 // codes of the last rows (as bitmap_linear does with kValuePad); 64 keeps that copy a whole line.
 constexpr int64_t kCodePad = 64;
 
-struct Q4Problem {
-  DType dtype;                 // of x and y
+struct Q4Problem : Operands {   // cols: a multiple of 32 (of G)
   const uint8_t* bitmap;       // [rows, cols / 8]
   const int32_t* row_offsets;  // [rows], byte of each row's first code
   const uint16_t* scales;      // fp16 [rows, groups]
   int64_t groups;              // cols / G
   int64_t group_words;         // G / 32
-  int64_t rows;
-  int64_t cols;  // a multiple of 32 (of G)
   // x as the op packs it: bf16 interleaved by word when x_is_bf16 (word w of row i at element
   // (w * m + i) * 32, as bitmap_linear's Problem::x), else fp32 rows of x_stride elements.
   const void* x;
   int64_t x_stride;
   bool x_is_bf16;
-  int64_t m;
-  const float* bias;  // [rows] in fp32, or nullptr
-  void* y;            // [m, y_stride] of dtype
-  int64_t y_stride;
 };
 
 // Where a range of rows finds its codes: row r's first code is byte row_offsets[r] - first of base, and
@@ -86,22 +79,15 @@ struct Q8Rows {
   int64_t groups;
 };
 
-struct Q4PairProblem {
-  DType dtype;                    // of y: bf16 or fp32
+struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G; m <= kPairMaxM
   const uint64_t* masks;          // [blocks, cols / 64, kPairRows], or nullptr: the dense layout
   const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
   const int64_t* block_offsets;   // [blocks]
   const uint16_t* scales;         // fp16 [blocks, groups, kPairRows]
   int64_t groups;
   int64_t group_pairs;  // G / 64
-  int64_t rows;
-  int64_t cols;  // a multiple of G
   const int8_t* x_values;  // Q8Rows of the m rows of x
   const float* x_scales;
-  int64_t m;          // <= kPairMaxM
-  const float* bias;  // [rows] in fp32, or nullptr
-  void* y;            // [m, y_stride] of dtype
-  int64_t y_stride;
 };
 
 // x [m, cols] of dtype (bf16 or fp32; rows row_stride elements apart) quantized in blocks of `block`

@@ -46,10 +46,9 @@ inline at::Tensor empty_output(const at::Tensor& x, int64_t rows) {
   return at::empty(out_shape, x.options());
 }
 
-// The fields that Problem, Q4Problem and Q4PairProblem share, but for x (packed by each op).
-template <typename P>
-void set_operands(P& p, DType dtype, int64_t rows, int64_t cols, int64_t m, const std::optional<at::Tensor>& bias32,
-                  at::Tensor& y) {
+// The fields that Problem, Q4Problem and Q4PairProblem share (Operands), but for x (packed by each op).
+inline void set_operands(Operands& p, DType dtype, int64_t rows, int64_t cols, int64_t m, const std::optional<at::Tensor>& bias32,
+                         at::Tensor& y) {
   p.dtype = dtype;
   p.rows = rows;
   p.cols = cols;

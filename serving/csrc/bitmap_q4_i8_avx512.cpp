@@ -378,8 +378,14 @@ void quantize_x_avx512(DType dtype, const void* x, int64_t row_stride, int64_t m
   }
 }
 
-void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
-                                   int64_t out_stride) {
+namespace {
+
+// Every row of every pair of blocks block_begin..block_end, in the layout's order, as the pair decoder gives its
+// 64 weights (u = 2 * code where kept, 15 elsewhere): emit(row, q, r, b, u) for row r of block b (row, counted from
+// block_begin's first row) and pair q. The padding rows of a last block are decoded (their codes are read in
+// turn) but not emitted.
+template <typename Emit>
+void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, const Emit& emit) {
   const PairDecoder dec;
   const int64_t pairs = p.cols / 64;
   for (int64_t b = block_begin; b < block_end; ++b) {
@@ -389,18 +395,27 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
     for (int64_t q = 0; q < pairs; ++q) {
       for (int r = 0; r < kPairRows; ++r) {
         const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
-        const __m512i w = _mm512_sub_epi8(u, dec.fifteen);  // the levels, 0 where pruned
-        if (r >= real) continue;
-        // s * (code - 7.5) = (0.5 s) * (2 code - 15): exact in fp32 (an fp16 times a small odd integer).
-        const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));
-        float* dst = out + (row0 + r - kPairRows * block_begin) * out_stride + 64 * q;
-        _mm512_storeu_ps(dst, _mm512_mul_ps(s, quarter<0>(w)));
-        _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, quarter<1>(w)));
-        _mm512_storeu_ps(dst + 32, _mm512_mul_ps(s, quarter<2>(w)));
-        _mm512_storeu_ps(dst + 48, _mm512_mul_ps(s, quarter<3>(w)));
+        if (r < real) emit(row0 + r - kPairRows * block_begin, q, r, b, u);
       }
     }
   }
+}
+
+}  // namespace
+
+void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
+                                   int64_t out_stride) {
+  const __m512i fifteen = _mm512_set1_epi8(15);
+  for_each_pair_row(p, block_begin, block_end, [&](int64_t row, int64_t q, int r, int64_t b, __m512i u) {
+    const __m512i w = _mm512_sub_epi8(u, fifteen);  // the levels, 0 where pruned
+    // s * (code - 7.5) = (0.5 s) * (2 code - 15): exact in fp32 (an fp16 times a small odd integer).
+    const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));
+    float* dst = out + row * out_stride + 64 * q;
+    _mm512_storeu_ps(dst, _mm512_mul_ps(s, quarter<0>(w)));
+    _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, quarter<1>(w)));
+    _mm512_storeu_ps(dst + 32, _mm512_mul_ps(s, quarter<2>(w)));
+    _mm512_storeu_ps(dst + 48, _mm512_mul_ps(s, quarter<3>(w)));
+  });
 }
 
 // Prefill with bf16 x: q4_pairs_decode_blocks_avx512's exact fp32 values rounded once to bf16 (round to nearest
@@ -413,30 +428,19 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
 // 1.39 ms, down 2048x8192 1.06 to 0.76, o 2048x2048 0.28 to 0.20.
 void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
                                         uint16_t* out, int64_t out_stride) {
-  const PairDecoder dec;
   const __m512 levels = _mm512_set_ps(7.5f, 6.5f, 5.5f, 4.5f, 3.5f, 2.5f, 1.5f, 0.5f, -0.5f, -1.5f, -2.5f, -3.5f,
                                       -4.5f, -5.5f, -6.5f, -7.5f);
-  const int64_t pairs = p.cols / 64;
-  for (int64_t b = block_begin; b < block_end; ++b) {
-    const uint64_t* masks = p.masks == nullptr ? nullptr : p.masks + b * pairs * kPairRows;
-    const uint8_t* c = p.codes + p.block_offsets[b];
-    const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
-    for (int64_t q = 0; q < pairs; ++q) {
-      for (int r = 0; r < kPairRows; ++r) {
-        const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
-        if (r >= real) continue;
-        const uint16_t h = p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r];
-        const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
-        const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, levels));
-        const __m512i table = _mm512_cvtepu16_epi32(values);
-        uint16_t* dst = out + (row0 + r - kPairRows * block_begin) * out_stride + 64 * q;
-        const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
-        const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
-        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(lo, table));
-        _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(hi, table));
-      }
-    }
-  }
+  for_each_pair_row(p, block_begin, block_end, [&](int64_t row, int64_t q, int r, int64_t b, __m512i u) {
+    const uint16_t h = p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r];
+    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+    const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, levels));
+    const __m512i table = _mm512_cvtepu16_epi32(values);
+    uint16_t* dst = out + row * out_stride + 64 * q;
+    const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
+    const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(lo, table));
+    _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(hi, table));
+  });
 }
 
 }  // namespace leap_sparse

@@ -6,7 +6,8 @@ SmolLM2): perplexity before and after `leapctl.quantize.tune.tune_scales`, nothi
         --calib wiki-summaries --batch-size 4 --seq-len 256 --steps 200 \
         --ppl runs/quality_q4/smollm2-135m-0.5/wiki-summaries-heldout.txt --eval-seq-len 1024
 
-The windows are `quantize`'s (`tuning_windows`: the whole calibration source cut to --seq-len)."""
+The windows are `quantize`'s (`tuning_windows`: the whole calibration source cut to --seq-len), from the same
+default source (the run's own calibration text)."""
 
 import argparse
 import json
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from leapctl.eval.perplexity import perplexity  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
+from leapctl.quantize.config import DEFAULT_CALIB  # noqa: E402
 from leapctl.quantize.tune import tune_scales, tuning_windows  # noqa: E402
 from leapctl.runs import read_run  # noqa: E402
 
@@ -29,7 +31,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="a quantized run folder (leapctl quantize --tune-steps 0)")
     parser.add_argument("--teacher", required=True, help="the dense model")
-    parser.add_argument("--calib", default="wiki-summaries")
+    parser.add_argument("--calib", default=None,
+                        help="tuning text (default: as quantize, the text the run was calibrated on)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -52,11 +55,12 @@ def main() -> None:
                 for name, text in texts.items()}
 
     before = scores()
-    windows = tuning_windows(args.calib, tokenizer, teacher, args.steps, args.batch_size, args.seq_len)
+    calib = args.calib or run.calibration_source or DEFAULT_CALIB
+    windows = tuning_windows(calib, tokenizer, teacher, args.steps, args.batch_size, args.seq_len)
     started = time.perf_counter()
     result = tune_scales(model, teacher, run.scales, windows, args.steps, args.lr, args.batch_size)
     seconds = round(time.perf_counter() - started, 1)
-    print(json.dumps({"run": args.run, "steps": args.steps, "batch_size": args.batch_size,
+    print(json.dumps({"run": args.run, "calib": calib, "steps": args.steps, "batch_size": args.batch_size,
                       "seq_len": args.seq_len, "windows": int(windows.shape[0]), "ppl_before": before,
                       "ppl_after": scores(), "kl_first": result.kl[0], "kl_last": result.kl[-1],
                       "tune_seconds": seconds, "threads": torch.get_num_threads()}, indent=2))

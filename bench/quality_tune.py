@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from leapctl.compute import native_bf16  # noqa: E402
 from leapctl.eval.perplexity import perplexity  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
 from leapctl.quantize.config import DEFAULT_CALIB  # noqa: E402
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--ppl", action="append", required=True, help="text file(s) to score")
     parser.add_argument("--eval-seq-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
+                        help="bf16 autocast (default: as quantize, where the CPU has bf16 arithmetic)")
+    parser.add_argument("--skip-before", action="store_true", help="do not score the run before tuning")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -54,16 +58,19 @@ def main() -> None:
         return {name: round(perplexity(model, tokenizer, text, args.eval_seq_len, progress=False), 3)
                 for name, text in texts.items()}
 
-    before = scores()
+    before = None if args.skip_before else scores()
     calib = args.calib or run.calibration_source or DEFAULT_CALIB
     windows = tuning_windows(calib, tokenizer, teacher, args.steps, args.batch_size, args.seq_len)
     started = time.perf_counter()
-    result = tune_scales(model, teacher, run.scales, windows, args.steps, args.lr, args.batch_size)
+    autocast = args.autocast if args.autocast is not None else native_bf16(torch.device("cpu"))
+    result = tune_scales(model, teacher, run.scales, windows, args.steps, args.lr, args.batch_size,
+                         autocast=autocast)
     seconds = round(time.perf_counter() - started, 1)
     print(json.dumps({"run": args.run, "calib": calib, "steps": args.steps, "batch_size": args.batch_size,
-                      "seq_len": args.seq_len, "windows": int(windows.shape[0]), "ppl_before": before,
-                      "ppl_after": scores(), "kl_first": result.kl[0], "kl_last": result.kl[-1],
-                      "tune_seconds": seconds, "threads": torch.get_num_threads()}, indent=2))
+                      "seq_len": args.seq_len, "autocast": autocast, "windows": int(windows.shape[0]),
+                      "ppl_before": before, "ppl_after": scores(), "kl_first": result.kl[0],
+                      "kl_last": result.kl[-1], "tune_seconds": seconds,
+                      "threads": torch.get_num_threads()}, indent=2))
 
 
 if __name__ == "__main__":

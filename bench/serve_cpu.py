@@ -237,24 +237,28 @@ def greedy_answers(server: Server, model: str, texts: list[list[int]], max_token
 PROFILE_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
-def profile_table(path: Path) -> dict[str, tuple[float, int]]:
-    """Op name -> (CPU total in ms, calls) from the key-averages table vLLM's profiler writes."""
+def profile_table(path: Path) -> dict[str, dict]:
+    """Op name -> {"self_ms", "total_ms", "calls"} from the key-averages table vLLM's profiler writes."""
+
+    def ms(cell: str) -> float:
+        unit = next(u for u in ("us", "ms", "s") if cell.endswith(u))
+        return float(cell[: -len(unit)]) * PROFILE_UNITS[unit]
+
     rows = {}
     for line in path.read_text().splitlines():
-        cells = [c for c in line.strip().split("  ") if c.strip()]
-        if len(cells) == 7 and cells[-1].strip().isdigit():
-            total = cells[4].strip()
-            unit = next(u for u in ("us", "ms", "s") if total.endswith(u))
-            rows[cells[0].strip()] = (float(total[: -len(unit)]) * PROFILE_UNITS[unit], int(cells[-1]))
+        cells = [c.strip() for c in line.strip().split("  ") if c.strip()]
+        if len(cells) == 7 and cells[-1].isdigit():
+            rows[cells[0]] = {"self_ms": ms(cells[2]), "total_ms": ms(cells[4]), "calls": int(cells[-1])}
     return rows
 
 
-def profile_decode(server: Server, name: str, prompt: list[int], max_tokens: int, folder: Path) -> dict:
-    """Per decode step (ms): the whole step, the decoder's linear layers, lm_head and the rest."""
+def profiled(server: Server, request, folder: Path) -> tuple[dict[str, dict], dict]:
+    """`request()` under vLLM's torch profiler (the server started with `--profiler-config` writing to
+    `folder`): the op table and its row of the decode steps (their time and number)."""
     for old in folder.glob("*"):
         old.unlink()
     post(f"{server.base}/start_profile", {}).read()
-    stream(server, name, prompt, max_tokens)
+    request()
     post(f"{server.base}/stop_profile", {}).read()
     table = folder / "rank0.profiler_out.txt"
     for _ in range(120):
@@ -262,10 +266,24 @@ def profile_decode(server: Server, name: str, prompt: list[int], max_tokens: int
             break
         time.sleep(1)
     rows = profile_table(table)
-    step_ms, steps = next(value for key, value in rows.items()
-                          if key.startswith("execute_context") and "generation_1" in key)
-    per_step = {"step_ms": step_ms, "onednn_ms": rows.get("_C::onednn_mm", (0.0, 0))[0],
-                "sparse_ms": rows.get("leap_sparse_cpu::bitmap_linear", (0.0, 0))[0]}
+    return rows, next(row for key, row in rows.items()
+                      if key.startswith("execute_context") and "generation_1" in key)
+
+
+def profiler_config(folder: Path) -> list[str]:
+    """vLLM's options that make `/start_profile` write its op table (no stacks, plain text) into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(folder),
+                                             "torch_profiler_with_stack": False,
+                                             "torch_profiler_use_gzip": False})]
+
+
+def profile_decode(server: Server, name: str, prompt: list[int], max_tokens: int, folder: Path) -> dict:
+    """Per decode step (ms): the whole step, the decoder's linear layers, lm_head and the rest."""
+    rows, step = profiled(server, lambda: stream(server, name, prompt, max_tokens), folder)
+    steps = step["calls"]
+    per_step = {"step_ms": step["total_ms"], "onednn_ms": rows.get("_C::onednn_mm", {}).get("total_ms", 0.0),
+                "sparse_ms": rows.get("leap_sparse_cpu::bitmap_linear", {}).get("total_ms", 0.0)}
     return {"steps": steps, **{key: round(value / steps, 3) for key, value in per_step.items()}}
 
 
@@ -286,11 +304,7 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
     port = free_port()
     command = command_for(port)
     if args.profile:
-        folder = args.work / f"profile-{name}"
-        folder.mkdir(exist_ok=True)
-        command += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(folder),
-                                                     "torch_profiler_with_stack": False,
-                                                     "torch_profiler_use_gzip": False})]
+        command += profiler_config(args.work / f"profile-{name}")
     log = args.work / f"{name}.log"
     print(f"starting {name}: {' '.join(command)} (log {log})", flush=True)
     server = Server(command, log, port)

@@ -25,7 +25,13 @@ Measured per server: decode_tok_s, one sequence: (N - 1) tokens over the median 
 completions minus that of 1-token ones (streamed chunk times came in bursts); output_tok_s with 8 clients:
 all generated tokens over the wall time, every request `--max-tokens` long (EOS held off); prefill_s: time
 to the first token of three distinct 400-token prompts with one client, median. Writes
-OUT.json and OUT.md with the load average before and after."""
+OUT.json and OUT.md with the load average before and after.
+
+With --profile, each vLLM server (stock or leapctl) then serves one more 1-client request under vLLM's torch
+profiler (`/start_profile`), and the result lists the step's time and the ops that take most of it by
+their own time (children excluded) per step: the sparse op, the compiled graph's Python wrapper, vLLM's
+attention and KV-cache wrappers, ... Profiling adds overhead: compare its steps with each other, not with
+the unprofiled tokens/s. The full tables stay under WORK/profile/MODEL/SERVER."""
 
 import argparse
 import json
@@ -44,6 +50,8 @@ from serve_cpu import (  # noqa: E402
     has_text,
     leapctl,
     post,
+    profiled,
+    profiler_config,
     prompts,
     run_clients,
     settings,
@@ -95,6 +103,10 @@ def commands(model: str, dense: Path, work: Path, args) -> dict:
     """Server name -> (kind: vllm or llama.cpp, command_for(port), environment or None for the default)
     for the servers asked for."""
     chosen = {}
+
+    def profiling(server: str) -> list[str]:
+        return profiler_config(work / "profile" / model / server) if args.profile else []
+
     for server in args.servers:
         if server == "vllm-bf16":
             folder = dense
@@ -110,16 +122,16 @@ def commands(model: str, dense: Path, work: Path, args) -> dict:
             sparsity = int(server.split("-")[2]) / 100
             export = q4_export(dense, work, sparsity, args.group_size, "-head4" in server)
             activations = "bf16" if server.endswith("-bf16x") else "int8"
-            chosen[server] = ("vllm", lambda port, export=export: server_command(
-                export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS]),
+            chosen[server] = ("vllm", lambda port, export=export, extra=profiling(server): server_command(
+                export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS, *extra]),
                 server_env(1, activations=activations))
             continue
         else:
             raise SystemExit(f"unknown server {server!r} (choose from {', '.join(SERVERS)})")
-        chosen[server] = ("vllm", lambda port, folder=folder: [
+        chosen[server] = ("vllm", lambda port, folder=folder, extra=profiling(server): [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port),
-            "--chat-template", PLAIN_CHAT_TEMPLATE, *VLLM_FLAGS], None)
+            "--chat-template", PLAIN_CHAT_TEMPLATE, *VLLM_FLAGS, *extra], None)
     return chosen
 
 
@@ -180,7 +192,8 @@ def one_stream_decode(server: Server, kind: str, texts: list, rounds: int, max_t
     return (max_tokens - 1) / (statistics.median(whole) - statistics.median(first))
 
 
-def measure(name: str, kind: str, command_for, env, args, texts: list, long_prompts: list) -> dict:
+def measure(model: str, name: str, kind: str, command_for, env, args, texts: list,
+            long_prompts: list) -> dict:
     port = free_port()
     log = args.work / f"{name}.log"
     print(f"starting {name} (log {log})", flush=True)
@@ -198,9 +211,27 @@ def measure(name: str, kind: str, command_for, env, args, texts: list, long_prom
         prefill = [stream(server, request_body(kind, prompt, 1)) for prompt in long_prompts]
         prefill_s = statistics.median(r["first"] - r["start"] for r in prefill)
         print(f"  {name}: prefill of {len(long_prompts[0][0])} tokens {prefill_s:.3f} s", flush=True)
+        profile = None
+        if args.profile and kind == "vllm":
+            folder = args.work / "profile" / model / name
+            profile = step_profile(*profiled(server, lambda: timed(
+                server, request_body(kind, texts[0], args.max_tokens)), folder))
+            print(f"  {name}: profiled step {profile['step_ms']} ms: {profile['ops']}", flush=True)
         time.sleep(1.5)
         return {"start_s": round(start_s, 1), "decode_tok_s": round(decode, 2), "phases": phases,
-                "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(server.peak_rss / 2**20)}
+                "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(server.peak_rss / 2**20),
+                "profile": profile}
+
+
+def step_profile(rows: dict[str, dict], step: dict, top: int = 8) -> dict:
+    """ms per decode step (the prompt's one prefill step spread over them): the whole step and the `top`
+    ops by their own time (children excluded), with their calls per step."""
+    steps = step["calls"]
+    ops = sorted(((name, row) for name, row in rows.items() if not name.startswith("execute_context")),
+                 key=lambda item: -item[1]["self_ms"])[:top]
+    return {"steps": steps, "step_ms": round(step["total_ms"] / steps, 3),
+            "ops": {name: {"self_ms": round(row["self_ms"] / steps, 3),
+                           "calls": round(row["calls"] / steps, 1)} for name, row in ops}}
 
 
 def markdown(result: dict) -> str:
@@ -223,6 +254,13 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {got['decode_tok_s']:.1f} | {ratio:.2f} | {crowd} | "
                          f"{got['prefill_s']:.3f} | {got['peak_rss_mib']} |")
         lines.append("")
+        for name, got in servers.items():
+            if got.get("profile"):
+                profile = got["profile"]
+                ops = "; ".join(f"{op} {row['self_ms']:.2f} ({row['calls']:g} calls)"
+                                for op, row in profile["ops"].items())
+                lines.append(f"- {name}, profiled step {profile['step_ms']:.2f} ms, own time per step: {ops}")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -240,6 +278,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="llama.cpp threads (vLLM's worker has one core)")
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--profile", action="store_true",
+                        help="then one 1-client request under vLLM's torch profiler: where a step goes")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serve_q4"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -259,7 +299,7 @@ def main() -> None:
         cut_long = [rest[i * args.prefill_tokens:(i + 1) * args.prefill_tokens] for i in range(3)]
         texts = [(p, tokenizer.decode(p)) for p in cut]
         long_prompts = [(p, tokenizer.decode(p)) for p in cut_long]
-        results[model] = {name: measure(name, kind, command_for, env, args, texts, long_prompts)
+        results[model] = {name: measure(model, name, kind, command_for, env, args, texts, long_prompts)
                           for name, (kind, command_for, env) in servers.items()}
     result = {"settings": settings(args), "load_before": load_before, "load_after": os.getloadavg()[0],
               "models": results}

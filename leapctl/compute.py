@@ -44,3 +44,12 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         count = torch.cuda.device_count()
         raise LeapctlError(f"device {spec!r} requested but only {count} CUDA GPU(s) exist")
     return torch.device("cuda", index)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 in hardware (CUDA, or a CPU with AVX512-BF16 or AMX), where bf16
+    autocast pays: 2.6x faster per scale-tuning step for SmolLM2-135M on a Zen 5 core. Elsewhere oneDNN
+    widens bf16 to fp32 and autocast only adds conversions."""
+    if device.type == "cuda":
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

@@ -66,10 +66,12 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs():
     assert float((x @ gptq.T - target).norm()) < 0.7 * float((x @ rtn.T - target).norm())
 
 
-def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_dir):
+@pytest.mark.parametrize("autocast", [False, True])
+def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_dir, autocast):
     """Property: tuning may change a group's scale, never a code or a mask, and it lowers the KL to the dense
-    model it minimises (measured on the calibration windows before and after); lm_head's scales are tuned
-    too and its tie to the input embedding survives."""
+    model it minimises (measured in fp32 on the calibration windows before and after); lm_head's scales are
+    tuned too and its tie to the input embedding survives. The same with the matmuls in bf16 (autocast):
+    the scales learn in fp32 and the weights are rebuilt from them in fp32."""
     from test_serve_cli import magnitude_masks
 
     from leapctl.learn.loss import language_model_and_distillation
@@ -103,7 +105,8 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
             return float(language_model_and_distillation(model(ids).logits, teacher(ids).logits, ids)[1])
 
     start = kl()
-    result = tune_scales(model, teacher, scales, ids, steps=40, lr=3e-3, batch_size=8, progress=False)
+    result = tune_scales(model, teacher, scales, ids, steps=40, lr=3e-3, batch_size=8, progress=False,
+                         autocast=autocast)
     assert kl() < 0.9 * start
     assert result.norms == len(norms_before) > 0
     assert any(not torch.equal(a, b) for a, b in zip(norms_before, normalisation_weights(model), strict=True))
@@ -181,11 +184,13 @@ def test_a_quantized_run_keeps_the_masks_and_sits_on_its_grid(wanda_run, quantiz
 
 
 def test_the_default_tuning_is_reported_and_plotted(quantized_run):
+    from leapctl.compute import native_bf16
     from leapctl.quantize.config import QuantizeConfig
 
     report = json.loads((quantized_run / "report.json").read_text())
     tuning = report["tuning"]
     assert report["calibration"]["source"] == tuning["source"] == "generated"  # the wanda run's text
+    assert tuning["autocast"] == native_bf16(torch.device("cpu"))  # bf16 where this CPU multiplies it
     assert len(tuning["kl"]) == tuning["steps"] == QuantizeConfig.tune_steps > 0
     assert tuning["kl_last_10"] < tuning["kl_first"]
     assert (quantized_run / "tune_kl.png").stat().st_size > 0

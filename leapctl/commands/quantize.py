@@ -91,22 +91,23 @@ def tune(model, tokenizer, teacher_spec: str, scales: dict, calib: str,
     report's entry."""
     import torch
 
-    from leapctl.compute import resolve_device
+    from leapctl.compute import native_bf16, resolve_device
     from leapctl.models import load_model
     from leapctl.quantize.tune import tune_scales, tuning_windows
 
     started = time.perf_counter()
     device = resolve_device(config.device)
+    autocast = config.autocast if config.autocast is not None else native_bf16(device)
     teacher, _ = load_model(teacher_spec, dtype=torch.float32)
     windows = tuning_windows(calib, tokenizer, teacher, config.tune_steps, config.batch_size,
                              config.seq_len, config.seed, config.text_field)
     result = tune_scales(model.to(device), teacher.to(device), scales, windows, config.tune_steps,
-                         config.tune_lr, config.batch_size, config.seed, config.progress)
+                         config.tune_lr, config.batch_size, config.seed, config.progress, autocast)
     model.cpu()
     last = result.kl[-10:]
     entry = {"source": calib, "steps": config.tune_steps, "lr": config.tune_lr,
-             "batch_size": config.batch_size, "windows": int(windows.shape[0]), "teacher": teacher_spec,
-             "normalisation_weights": result.norms,
+             "batch_size": config.batch_size, "autocast": autocast, "windows": int(windows.shape[0]),
+             "teacher": teacher_spec, "normalisation_weights": result.norms,
              "kl_first": round(result.kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
              "kl": [round(v, 5) for v in result.kl], "seconds": round(time.perf_counter() - started, 3)}
     return result.scales, entry

@@ -33,6 +33,9 @@ class QuantizeConfig:
                                    "normalisation weight learned by distillation from the dense model, "
                                    "codes and masks fixed (0: none).")
     tune_lr: float = setting(1e-3, "Adam learning rate of the scale tuning (on log-scales; cosine to 0).")
+    autocast: bool | None = setting(None, "bf16 autocast of the tuning's matmuls (default: where the device "
+                                          "multiplies bf16 in hardware: CUDA, or a CPU with AVX512-BF16 or "
+                                          "AMX; master scales and the KL stay fp32).")
     teacher: str = setting("", "Dense model the tuning distils from (default: the model the run was pruned "
                                "from, as its masks name it).", metavar="MODEL")
     calib: str = setting("", "Calibration text for gptq and tuning: file, folder, .jsonl, saved dataset, "

@@ -84,11 +84,12 @@ def _sharing_modules(model: nn.Module, module: nn.Module) -> list[nn.Module]:
 
 def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Tensor],
                 calib_ids: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int = 0,
-                progress: bool = True) -> TuneResult:
+                progress: bool = True, autocast: bool = False) -> TuneResult:
     """Learn `scales` (fp16 per weight name, lm_head's included) and the normalisation weights of `model`
     (fp32, kept weights on the grid) in place, from `teacher`'s logits on random batches of the calibration
     windows `calib_ids` [n, seq_len]. A weight tied to another module (lm_head and the input embedding) gets
-    one parametrization on both, so the tie holds while tuning and after. Returns the new fp16 scales."""
+    one parametrization on both, so the tie holds while tuning and after. `autocast`: both models' matmuls
+in bf16 (the scales, their gradients and the KL stay fp32). Returns the new fp16 scales."""
     owners = {name: _sharing_modules(model, model.get_submodule(name.removesuffix(".weight")))
               for name in scales}
     for parameter in model.parameters():
@@ -112,9 +113,10 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
         for _ in range(steps):
             batch = calib_ids[torch.randint(calib_ids.shape[0], (batch_size,), generator=generator)]
             batch = batch.to(next(model.parameters()).device)
-            with torch.no_grad():
-                teacher_logits = teacher(input_ids=batch, use_cache=False).logits
-            logits = model(input_ids=batch, use_cache=False).logits
+            with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=batch, use_cache=False).logits
+                logits = model(input_ids=batch, use_cache=False).logits
             _, kl = language_model_and_distillation(logits, teacher_logits, batch)
             optimizer.zero_grad(set_to_none=True)
             kl.backward()

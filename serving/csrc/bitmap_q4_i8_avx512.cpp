@@ -74,67 +74,42 @@
 #include "bitmap_q4_kernels.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni,avx512bf16,gfni,bmi,bmi2,popcnt,fma,f16c")
 
 #include "kernel_avx512.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {
 
-// vpmultishiftqb's offsets: byte k of a qword that holds codes 8j .. 8j + 7 (code i at bits 4i .. 4i + 3)
-// takes the 8 bits from bit 4 (k % 8) - 1 on (mod 64: bit 63 first for k % 8 = 0), so that code k lands on
-// bits 1-4, 2 * code, with one bit of its neighbours below and three above.
-constexpr auto make_shifts() {
-  struct {
-    alignas(64) uint8_t k[64];
-  } t{};
-  for (int k = 0; k < 64; ++k) t.k[k] = static_cast<uint8_t>((4 * (k % 8) + 63) % 64);
-  return t;
-}
-constexpr auto kShifts = make_shifts();
-
-// ceil(n / 2): the code bytes of a pair with n kept weights.
-constexpr auto make_pair_bytes() {
-  struct {
-    alignas(64) int64_t n[65];
-  } t{};
-  for (int i = 0; i <= 64; ++i) t.n[i] = (i + 1) / 2;
-  return t;
-}
-constexpr auto kPairBytes = make_pair_bytes();
+// gf2p8affineqb's matrices (one qword, repeated): output bit i of a byte is the parity of the input bits that
+// matrix byte 7 - i selects. kLowNibble makes 2 * the low nibble (bits 0-3 to 1-4), kHighNibble 2 * the high
+// nibble (bits 4-7 to 1-4); every other bit 0.
+constexpr int64_t kLowNibble = 0x0001020408000000, kHighNibble = 0x0010204080000000;
 
 struct PairDecoder {
-  __m512i shifts, doubled_code, fifteen;
+  __m512i low, high, fifteen;
   PairDecoder()
-      : shifts(_mm512_load_si512(kShifts.k)), doubled_code(_mm512_set1_epi8(0x1e)), fifteen(_mm512_set1_epi8(15)) {}
+      : low(_mm512_set1_epi64(kLowNibble)), high(_mm512_set1_epi64(kHighNibble)), fifteen(_mm512_set1_epi8(15)) {}
 
-  // 2 * code k in byte k for the 64 codes (32 bytes) at `codes`: each 4 code bytes widened to a qword (the
-  // load's vpmovzxdq), the nibbles moved to bits 1-4 and the neighbours' bits cleared.
-  inline __m512i doubled(const uint8_t* codes) const {
-    const __m512i w = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, w), doubled_code);
-  }
-
-  // The pair's 64 weights as u8, 15 more than the level (2 * code where kept, 15 elsewhere), without the scale.
-  inline __m512i pair(const uint8_t* codes, const uint64_t* mask) const {
-    return _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(mask))),
-                                   doubled(codes));
-  }
-
-  // A pair with every weight kept (a dense layout: no mask, 32 code bytes): no expand.
-  inline __m512i full(const uint8_t* codes) const { return doubled(codes); }
-
-  // Pair q of row r of a block (masks: the block's, unused for a dense layout); advances `codes`.
+  // Rows 2 rp and 2 rp + 1 of a block at pair q (masks: the block's, unused for a dense layout), from their
+  // shared code bytes at `codes` (the first row's codes in the low nibbles, the second's in the high ones; see
+  // bitmap_q4_kernels.h), as u8 15 more than the level (2 * code where kept, 15 elsewhere): one 64-byte load,
+  // one gf2p8affineqb per row for 2 * code and vpexpandb to the kept columns, merged into 15s (a dense layout:
+  // no expand). Advances `codes` past the two rows' bytes (the longer row's count, 64 if dense).
   template <bool Dense>
-  inline __m512i next(const uint8_t*& codes, const uint64_t* masks, int64_t q, int r) const {
+  inline void next(const uint8_t*& codes, const uint64_t* masks, int64_t q, int rp, __m512i w[2]) const {
+    const __m512i v = _mm512_loadu_si512(codes);
+    const __m512i a = _mm512_gf2p8affine_epi64_epi8(v, low, 0), b = _mm512_gf2p8affine_epi64_epi8(v, high, 0);
     if constexpr (Dense) {
-      const __m512i w = full(codes);
-      codes += 32;
-      return w;
+      w[0] = a;
+      w[1] = b;
+      codes += 64;
+      return;
     }
-    const __m512i w = pair(codes, masks + q * kPairRows + r);
-    codes += kPairBytes.n[_mm_popcnt_u64(masks[q * kPairRows + r])];
-    return w;
+    const uint64_t* m = masks + q * kPairRows + 2 * rp;
+    w[0] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m))), a);
+    w[1] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m + 1))), b);
+    codes += std::max(_mm_popcnt_u64(m[0]), _mm_popcnt_u64(m[1]));
   }
 };
 
@@ -192,12 +167,16 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
       start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next<Dense>(c, masks, q, r);
-      for (int m = 0; m < M; ++m) {
-        // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
-        const __m512i sum = _mm512_dpbusd_epi32(start[m], w, xv[m]);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
+    for (int rp = 0; rp < R / 2; ++rp) {
+      __m512i w[2];
+      dec.next<Dense>(c, masks, q, rp, w);
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * rp + h;
+        for (int m = 0; m < M; ++m) {
+          // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
+          const __m512i sum = _mm512_dpbusd_epi32(start[m], w[h], xv[m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
+        }
       }
     }
     if (++j == gp) {
@@ -268,14 +247,23 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     const __m512i x = _mm512_loadu_si512(xv + 64 * q);
     const __m512i start =
         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next<Dense>(c0, masks0, q, r);
-      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, x)), _mm512_set1_ps(s[r]), acc[0][r]);
+    for (int rp = 0; rp < R / 2; ++rp) {
+      __m512i w[2];
+      dec.next<Dense>(c0, masks0, q, rp, w);
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * rp + h;
+        acc[0][r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s[r]), acc[0][r]);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next<Dense>(c1, masks1, q, r);
-      acc[1][r] =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, x)), _mm512_set1_ps(s[second + r]), acc[1][r]);
+    for (int rp = 0; rp < R / 2; ++rp) {
+      __m512i w[2];
+      dec.next<Dense>(c1, masks1, q, rp, w);
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * rp + h;
+        acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)),
+                                    _mm512_set1_ps(s[second + r]), acc[1][r]);
+      }
     }
     if (++j == gp) {
       j = 0;
@@ -393,9 +381,17 @@ void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t bloc
     const uint8_t* c = p.codes + p.block_offsets[b];
     const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
     for (int64_t q = 0; q < pairs; ++q) {
-      for (int r = 0; r < kPairRows; ++r) {
-        const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
-        if (r < real) emit(row0 + r - kPairRows * block_begin, q, r, b, u);
+      for (int rp = 0; rp < kPairRows / 2; ++rp) {
+        __m512i u[2];
+        if (masks == nullptr) {
+          dec.next<true>(c, masks, q, rp, u);
+        } else {
+          dec.next<false>(c, masks, q, rp, u);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int r = 2 * rp + h;
+          if (r < real) emit(row0 + r - kPairRows * block_begin, q, r, b, u[h]);
+        }
       }
     }
   }

@@ -91,25 +91,39 @@ struct PairDecoder {
   PairDecoder()
       : low(_mm512_set1_epi64(kLowNibble)), high(_mm512_set1_epi64(kHighNibble)), fifteen(_mm512_set1_epi8(15)) {}
 
+  // Where the two pairs of rows of a block's pass (pair) find their codes, from the pass's first code byte
+  // `codes` (its header's counts, or 64 bytes each in a dense layout); advances `codes` to the next pass.
+  template <bool Dense>
+  static inline void starts(const uint8_t*& codes, const uint8_t* at[2]) {
+    if constexpr (Dense) {
+      at[0] = codes;
+      at[1] = codes + 64;
+      codes += 128;
+    } else {
+      const int64_t first = codes[0], both = codes[1];
+      at[0] = codes + kPairHeader;
+      at[1] = codes + kPairHeader + first;
+      codes += kPairHeader + both;
+    }
+  }
+
   // Rows 2 rp and 2 rp + 1 of a block at pair q (masks: the block's, unused for a dense layout), from their
   // shared code bytes at `codes` (the first row's codes in the low nibbles, the second's in the high ones; see
   // bitmap_q4_kernels.h), as u8 15 more than the level (2 * code where kept, 15 elsewhere): one 64-byte load,
   // one gf2p8affineqb per row for 2 * code and vpexpandb to the kept columns, merged into 15s (a dense layout:
-  // no expand). Advances `codes` past the two rows' bytes (the longer row's count, 64 if dense).
+  // no expand).
   template <bool Dense>
-  inline void next(const uint8_t*& codes, const uint64_t* masks, int64_t q, int rp, __m512i w[2]) const {
+  inline void rows(const uint8_t* codes, const uint64_t* masks, int64_t q, int rp, __m512i w[2]) const {
     const __m512i v = _mm512_loadu_si512(codes);
     const __m512i a = _mm512_gf2p8affine_epi64_epi8(v, low, 0), b = _mm512_gf2p8affine_epi64_epi8(v, high, 0);
     if constexpr (Dense) {
       w[0] = a;
       w[1] = b;
-      codes += 64;
-      return;
+    } else {
+      const uint64_t* m = masks + q * kPairRows + 2 * rp;
+      w[0] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m))), a);
+      w[1] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m + 1))), b);
     }
-    const uint64_t* m = masks + q * kPairRows + 2 * rp;
-    w[0] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m))), a);
-    w[1] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m + 1))), b);
-    codes += std::max(_mm_popcnt_u64(m[0]), _mm_popcnt_u64(m[1]));
   }
 };
 
@@ -167,9 +181,11 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
       start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
     }
+    const uint8_t* at[2];
+    PairDecoder::starts<Dense>(c, at);
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2];
-      dec.next<Dense>(c, masks, q, rp, w);
+      dec.rows<Dense>(at[rp], masks, q, rp, w);
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
         for (int m = 0; m < M; ++m) {
@@ -221,53 +237,64 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  // Pointers that advance with the pass (the loop's bookkeeping is a fair share of its instructions).
   const uint64_t* masks0 = Dense ? nullptr : p.masks + b * pairs * R;
   const uint64_t* masks1 = Dense ? nullptr : masks0 + pairs * R;
+  const uint64_t* masks_ahead = Dense ? nullptr : masks1 + pairs * R;
   const uint8_t* c0 = p.codes + p.block_offsets[b];
   const uint8_t* c1 = p.codes + p.block_offsets[b + 1];
-  const uint8_t *const c0_start = c0, *const c1_start = c1;
+  // The two blocks' codes (and masks) are each other's neighbours: one walk over the next pass's codes (as long
+  // as this pass's, about) and masks, as fast as this pass reads its own: the codes' at c1's start + (c1's start
+  // - c0's start) + both blocks' progress, = c0 + c1 + this.
+  const uintptr_t ahead_base = reinterpret_cast<uintptr_t>(c1) - 2 * reinterpret_cast<uintptr_t>(c0) + kPairPrefetchBytes;
   const int8_t* xv = p.x_values;
-  const float* s = scales;
-  const int64_t second = groups * R;
+  const float* s0 = scales;
+  const float* s1 = scales + groups * R;
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
-    {
-      // The two blocks' codes (and masks) are each other's neighbours: one walk over the next pass's codes
-      // (as long as this pass's, about) and masks, as fast as this pass reads its own.
-      const char* ahead = reinterpret_cast<const char*>(c1_start) + (c1_start - c0_start) + (c0 - c0_start) +
-                          (c1 - c1_start) + kPairPrefetchBytes;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      if constexpr (Dense) {
-        _mm_prefetch(ahead + 128, _MM_HINT_T0);
-        _mm_prefetch(ahead + 192, _MM_HINT_T0);
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(masks1 + pairs * R + 2 * q * R) + kPairMaskPrefetchBytes, _MM_HINT_T0);
-      }
+    const char* ahead = reinterpret_cast<const char*>(ahead_base + reinterpret_cast<uintptr_t>(c0) +
+                                                      reinterpret_cast<uintptr_t>(c1));
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    if constexpr (Dense) {
+      _mm_prefetch(ahead + 128, _MM_HINT_T0);
+      _mm_prefetch(ahead + 192, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(masks_ahead) + kPairMaskPrefetchBytes, _MM_HINT_T0);
+      masks_ahead += 2 * R;
     }
-    const __m512i x = _mm512_loadu_si512(xv + 64 * q);
+    const __m512i x = _mm512_loadu_si512(xv);
+    xv += 64;
     const __m512i start =
         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
+    const uint8_t* at[2];
+    PairDecoder::starts<Dense>(c0, at);
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2];
-      dec.next<Dense>(c0, masks0, q, rp, w);
+      dec.rows<Dense>(at[rp], masks0, 0, rp, w);
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
         acc[0][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s[r]), acc[0][r]);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
       }
     }
+    PairDecoder::starts<Dense>(c1, at);
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2];
-      dec.next<Dense>(c1, masks1, q, rp, w);
+      dec.rows<Dense>(at[rp], masks1, 0, rp, w);
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
-        acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)),
-                                    _mm512_set1_ps(s[second + r]), acc[1][r]);
+        acc[1][r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
       }
+    }
+    if constexpr (!Dense) {
+      masks0 += R;
+      masks1 += R;
     }
     if (++j == gp) {
       j = 0;
-      s += R;
+      s0 += R;
+      s1 += R;
     }
   }
   for (int h = 0; h < 2; ++h) {
@@ -381,12 +408,18 @@ void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t bloc
     const uint8_t* c = p.codes + p.block_offsets[b];
     const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
     for (int64_t q = 0; q < pairs; ++q) {
+      const uint8_t* at[2];
+      if (masks == nullptr) {
+        PairDecoder::starts<true>(c, at);
+      } else {
+        PairDecoder::starts<false>(c, at);
+      }
       for (int rp = 0; rp < kPairRows / 2; ++rp) {
         __m512i u[2];
         if (masks == nullptr) {
-          dec.next<true>(c, masks, q, rp, u);
+          dec.rows<true>(at[rp], masks, q, rp, u);
         } else {
-          dec.next<false>(c, masks, q, rp, u);
+          dec.rows<false>(at[rp], masks, q, rp, u);
         }
         for (int h = 0; h < 2; ++h) {
           const int r = 2 * rp + h;

@@ -87,13 +87,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
   at::Tensor masks = at::empty({blocks, pairs, kPairRows}, offsets.options().dtype(at::kLong));
   int64_t* block_offset = block_offsets.data_ptr<int64_t>();
   uint64_t* mask_data = reinterpret_cast<uint64_t*>(masks.data_ptr<int64_t>());
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t q = 0; q < pairs; ++q) {
+      for (int64_t r = 0; r < kPairRows; ++r) mask_data[(b * pairs + q) * kPairRows + r] = mask_of(b * kPairRows + r, q);
+    }
+  }
+  // Every weight kept (rows a whole number of blocks): the dense layout, without masks or pass headers.
+  const bool dense = rows % kPairRows == 0 && std::all_of(mask_data, mask_data + masks.numel(),
+                                                           [](uint64_t mask) { return mask == ~uint64_t{0}; });
+  const int64_t header = dense ? 0 : kPairHeader;
   int64_t total = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     block_offset[b] = total;
     for (int64_t q = 0; q < pairs; ++q) {
-      uint64_t* m = mask_data + (b * pairs + q) * kPairRows;
-      for (int64_t r = 0; r < kPairRows; ++r) m[r] = mask_of(b * kPairRows + r, q);
-      for (int64_t r = 0; r < kPairRows; r += 2) total += row_pair_bytes(m[r], m[r + 1]);
+      const uint64_t* m = mask_data + (b * pairs + q) * kPairRows;
+      total += header + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
     }
   }
   const int64_t groups = scales.size(1);
@@ -117,6 +125,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
       uint8_t* dst = out + block_offset[b];
       for (int64_t q = 0; q < pairs; ++q) {
         const uint64_t* m = mask_data + (b * pairs + q) * kPairRows;
+        if (!dense) {  // the pass's header: the first pair of rows' bytes, and both pairs'
+          const int64_t first = row_pair_bytes(m[0], m[1]);
+          dst[0] = static_cast<uint8_t>(first);
+          dst[1] = static_cast<uint8_t>(first + row_pair_bytes(m[2], m[3]));
+          dst += kPairHeader;
+        }
         for (int64_t r = 0; r < kPairRows; ++r) {
           if (row_codes[r] != nullptr) {  // padding rows (mask 0) have none
             pack_pair(m[r], row_codes[r], static_cast<int>(r % 2), dst);
@@ -128,9 +142,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
       }
     }
   });
-  // Every weight kept (rows a whole number of blocks): the dense layout, without masks.
-  const bool dense = rows % kPairRows == 0 && std::all_of(mask_data, mask_data + masks.numel(),
-                                                           [](uint64_t mask) { return mask == ~uint64_t{0}; });
   return {dense ? masks.new_empty({0}) : masks, packed, block_offsets, block_scales};
 }
 

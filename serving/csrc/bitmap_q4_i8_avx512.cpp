@@ -1,4 +1,4 @@
-// AVX-512 kernels for bitmap-q4 weights with int8 x (F, BW, VL, VBMI, VBMI2, VNNI; BF16 for bf16 y): the decode path of
+// AVX-512 kernels for bitmap-q4 weights with int8 x (F, BW, VL, VBMI2, VNNI, GFNI; BF16 for bf16 y): the decode path of
 // `activations=int8` (bitmap_q4_kernels.h, Q4PairProblem).
 //
 // Why: at M = 1 the bf16 kernel (bitmap_q4_avx512.cpp) spends five vector instructions on every 32
@@ -6,17 +6,17 @@
 // issue 3-4 per cycle): its 0.7 ns per word is the instruction count, not the bandwidth. With int8 x
 // (as llama.cpp's Q4_0 x Q8_0 dot does) one instruction covers 64 columns where bf16 covers 32.
 //
-// A pair of words (64 columns, one group at G = 64) becomes 64 weights in four instructions, from the
-// pair layout (the pair's codes contiguous, padded to a byte only at the pair's end; q4_pack_pairs):
-// vpmovzxdq widens each 4 code bytes to a qword (its 32-byte load is the instruction's memory operand),
-// vpmultishiftqb moves code k's nibble to bits 1-4 of byte k, vpandd clears the rest (2 * code), and
-// vpexpandb puts the kept ones at their columns, merged into a register of 15s: u = level + 15, unsigned
-// (levels 2 * code - 15 where kept, 0 elsewhere). x is quantized per call to int8 q, with one fp32 scale per
-// 64 columns, so vpdpbusd multiplies u with q; each sum starts from -15 * the sum of q over its lane's 4
-// columns (made per pair from q with one vpdpbusd and a negation), so that lane l ends at exactly
-// sum over its kept columns of level * q. Each pair's int32 sums are folded into the row's fp32 sums with
-// 0.5 * weight scale * x scale, from a table the block makes at its start. Results: sum over groups of
-// (0.5 * s_w * s_x) * (exact integer dot), in fp32.
+// A pair of words (64 columns, one group at G = 64) of two rows becomes their 2 x 64 weights in five
+// instructions, from the pair layout (q4_pack_pairs; bitmap_q4_kernels.h): per block and pair a 2-byte
+// header, then per two rows their kept codes in the same bytes (the first row's k-th in byte k's low nibble,
+// the second row's in its high nibble): one 64-byte load, per row a gf2p8affineqb that moves its nibble to
+// bits 1-4 and clears the rest (2 * code), and vpexpandb that puts the kept ones at their columns, merged into
+// a register of 15s: u = level + 15, unsigned (levels 2 * code - 15 where kept, 0 elsewhere). x is quantized
+// per call to int8 q, with one fp32 scale per 64 columns, so vpdpbusd multiplies u with q; each sum starts from
+// -15 * the sum of q over its lane's 4 columns (made per pair from q with one vpdpbusd and a negation), so that
+// lane l ends at exactly sum over its kept columns of level * q. Each pair's int32 sums are folded into the
+// row's fp32 sums with 0.5 * weight scale * x scale, from a table the block makes at its start. Results: sum
+// over groups of (0.5 * s_w * s_x) * (exact integer dot), in fp32.
 //
 // Measured (stand-alone harness calling q4_pairs_gemm_blocks_avx512, 1 thread, 512 x 2048 in L2, 50%, M = 1,
 // other jobs on the second core): 0.53-0.54 ns per 32-column word and row, against 0.68-0.71 for the bf16
@@ -65,6 +65,26 @@
 // streams in the same pages: the hardware prefetcher no longer covers them); a walk 4 KiB beyond the pass's start
 // was 5% faster on 2048-column layers but slower on down_proj, whose block is larger than that. With the second
 // core busy, decode_sweep's cold figures ranged 16.6-31 ms in one run set: only quiet or interleaved runs count.
+// Then two rows' codes in the same bytes (the layout above; before, each row's codes lay contiguous and were
+// decoded by vpmovzxdq from a 32-byte load, vpmultishiftqb to bits 1-4 and vpandd: three instructions per row, two
+// of them on the shuffle port, where now one gf2p8affineqb and half a load) and the code pointers advanced by the
+// pass's header instead of popcnt and a table per row; bit for bit the same results (compared output by output
+// with main's op: M = 1-20, sparse, empty and dense layouts, G = 64-192, bf16 and fp32 x, 1 and 2 threads). The
+// layout holds 4.6% more bytes at 50% (the 1B shape's layers 453 to 474 MB; 5.1% at 60%): the longer row's count
+// per two rows, and the headers (a third of it). The reference command, main and this kernel alternating, 8 runs
+// each, the second core busy with another job: mag50 cold 15.39-16.87 ms (median 15.75) to 14.26-15.35 (14.62),
+// hot 14.46 to 12.32; mag60 cold 15.05-16.52 (15.93) to 13.57-14.40 (13.73), hot 14.27 to 12.13. By step (6 runs
+// each against the step before): the shared bytes with max(popcnt) of the two rows as the advance, mag50 hot 14.48
+// to 12.68, cold 16.1 to 14.8; then the headers and block_pair_m1's pointers advancing (GCC had spilled its
+// scalars to vector registers), hot 12.71 to 12.39 (mag50) and 12.48 to 12.34 (mag60), cold the same. The op alone
+// at M = 1, 2, 4, 8 (16384 x 2048 at 50%, L3-resident, hot): 13-16% faster. A stand-alone harness (L2-resident
+// 512 x 2048, 50%, 8 rows a pass) gave 0.39-0.41 to 0.33 ns per word and row, 0.31 with headers. Cold at 50% now
+// moves about 32 GB/s, where a plain streaming read on this core measured 38 (84%; the other core busy).
+// Not kept: the second row's u as its high nibble masked in place (16 * code, 120 where pruned, the start and the
+// scale scaled by 8 to match: the same results, one vpandd where gf2p8affineqb) 0.36 against 0.33 ns in the
+// harness; both rows by vpaddb + vpandd and vpandd, without GFNI, 0.36; three blocks per pass (12 rows; in-process
+// alternation, 30 sweeps): hot 1-3% faster, cold 1.5-3% slower; 3 or 4 prefetched lines per pass instead of 2,
+// or 0 or 4 KiB beyond the next pass's position instead of 1 KiB: within 2%, inside the noise of those runs.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -74,7 +94,7 @@
 #include "bitmap_q4_kernels.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni,avx512bf16,gfni,bmi,bmi2,popcnt,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,avx512vnni,avx512bf16,gfni,bmi,bmi2,popcnt,fma,f16c")
 
 #include "kernel_avx512.h"  // compiled for the target above
 

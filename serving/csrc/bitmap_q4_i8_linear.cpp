@@ -33,8 +33,8 @@ namespace {
 bool i8_available() {
   static const auto isa_op =
       c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
-  static const bool cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
-                          __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("gfni");
+  static const bool cpu =
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("gfni");
   return cpu && isa_op.call() == "avx512";
 }
 
@@ -149,7 +149,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
                                const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
                                int64_t n_cols, const std::optional<at::Tensor>& bias) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
-  TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI, VBMI and VBMI2, GFNI, and the avx512 ISA chosen");
+  TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI and VBMI2, GFNI, and the avx512 ISA chosen");
   TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
                   scales.device().is_cpu() && block_offsets.device().is_cpu() &&
                   (!bias.has_value() || bias->device().is_cpu()),

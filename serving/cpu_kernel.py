@@ -137,7 +137,7 @@ def current_isa() -> str:
 
 def int8_kernel_available() -> bool:
     """Whether bitmap-q4 layers can multiply int8 x natively (`bitmap_q4_i8_linear`): the op loaded, a CPU
-    with AVX-512 VNNI, VBMI and VBMI2, and the avx512 kernels chosen."""
+    with AVX-512 VNNI and VBMI2, and GFNI, and the avx512 kernels chosen."""
     return load() and torch.ops.leap_sparse_cpu.bitmap_q4_i8_available()
 
 

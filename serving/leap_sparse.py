@@ -125,7 +125,7 @@ class LeapSparseConfig(QuantizationConfig):
             self._compute_int8 = "x as it is (int8 x needs groups of a multiple of 64 columns, bf16 or fp32)"
             return False
         if not cpu_kernel.int8_kernel_available():
-            self._compute_int8 = "x as it is (int8 x needs AVX-512 VNNI, VBMI and VBMI2)"
+            self._compute_int8 = "x as it is (int8 x needs AVX-512 VNNI and VBMI2, and GFNI)"
             return False
         return True
 

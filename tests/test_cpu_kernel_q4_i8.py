@@ -34,7 +34,7 @@ MS = [*range(1, 10), 16, 41]
 def op():
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
     if not cpu_kernel.int8_kernel_available():
-        pytest.skip("this CPU has no AVX-512 VNNI, VBMI and VBMI2")
+        pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI")
     return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
 
 

@@ -64,7 +64,7 @@ def test_int8_activations_serve_the_reference_greedy_text(q4_checkpoints, tmp_pa
     from serving import cpu_kernel
 
     if not cpu_kernel.int8_kernel_available():
-        pytest.skip("this CPU has no AVX-512 VNNI, VBMI and VBMI2: the layers serve bf16 x")
+        pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI: the layers serve bf16 x")
     run_dir, export_dir = q4_checkpoints
     server = start_leapctl_serve(export_dir, tmp_path / "serve.log")
     try:

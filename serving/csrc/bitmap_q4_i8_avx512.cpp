@@ -1,4 +1,4 @@
-// AVX-512 kernels for bitmap-q4 weights with int8 x (F, BW, VL, VBMI, VBMI2, VNNI; BF16 for bf16 y): the decode path of
+// AVX-512 kernels for bitmap-q4 weights with int8 x (F, BW, VL, VBMI2, VNNI, GFNI; BF16 for bf16 y): the decode path of
 // `activations=int8` (bitmap_q4_kernels.h, Q4PairProblem).
 //
 // Why: at M = 1 the bf16 kernel (bitmap_q4_avx512.cpp) spends five vector instructions on every 32
@@ -6,17 +6,17 @@
 // issue 3-4 per cycle): its 0.7 ns per word is the instruction count, not the bandwidth. With int8 x
 // (as llama.cpp's Q4_0 x Q8_0 dot does) one instruction covers 64 columns where bf16 covers 32.
 //
-// A pair of words (64 columns, one group at G = 64) becomes 64 weights in four instructions, from the
-// pair layout (the pair's codes contiguous, padded to a byte only at the pair's end; q4_pack_pairs):
-// vpmovzxdq widens each 4 code bytes to a qword (its 32-byte load is the instruction's memory operand),
-// vpmultishiftqb moves code k's nibble to bits 1-4 of byte k, vpandd clears the rest (2 * code), and
-// vpexpandb puts the kept ones at their columns, merged into a register of 15s: u = level + 15, unsigned
-// (levels 2 * code - 15 where kept, 0 elsewhere). x is quantized per call to int8 q, with one fp32 scale per
-// 64 columns, so vpdpbusd multiplies u with q; each sum starts from -15 * the sum of q over its lane's 4
-// columns (made per pair from q with one vpdpbusd and a negation), so that lane l ends at exactly
-// sum over its kept columns of level * q. Each pair's int32 sums are folded into the row's fp32 sums with
-// 0.5 * weight scale * x scale, from a table the block makes at its start. Results: sum over groups of
-// (0.5 * s_w * s_x) * (exact integer dot), in fp32.
+// A pair of words (64 columns, one group at G = 64) of two rows becomes their 2 x 64 weights in five
+// instructions, from the pair layout (q4_pack_pairs; bitmap_q4_kernels.h): per block and pair a 2-byte
+// header, then per two rows their kept codes in the same bytes (the first row's k-th in byte k's low nibble,
+// the second row's in its high nibble): one 64-byte load, per row a gf2p8affineqb that moves its nibble to
+// bits 1-4 and clears the rest (2 * code), and vpexpandb that puts the kept ones at their columns, merged into
+// a register of 15s: u = level + 15, unsigned (levels 2 * code - 15 where kept, 0 elsewhere). x is quantized
+// per call to int8 q, with one fp32 scale per 64 columns, so vpdpbusd multiplies u with q; each sum starts from
+// -15 * the sum of q over its lane's 4 columns (made per pair from q with one vpdpbusd and a negation), so that
+// lane l ends at exactly sum over its kept columns of level * q. Each pair's int32 sums are folded into the
+// row's fp32 sums with 0.5 * weight scale * x scale, from a table the block makes at its start. Results: sum
+// over groups of (0.5 * s_w * s_x) * (exact integer dot), in fp32.
 //
 // Measured (stand-alone harness calling q4_pairs_gemm_blocks_avx512, 1 thread, 512 x 2048 in L2, 50%, M = 1,
 // other jobs on the second core): 0.53-0.54 ns per 32-column word and row, against 0.68-0.71 for the bf16
@@ -65,6 +65,26 @@
 // streams in the same pages: the hardware prefetcher no longer covers them); a walk 4 KiB beyond the pass's start
 // was 5% faster on 2048-column layers but slower on down_proj, whose block is larger than that. With the second
 // core busy, decode_sweep's cold figures ranged 16.6-31 ms in one run set: only quiet or interleaved runs count.
+// Then two rows' codes in the same bytes (the layout above; before, each row's codes lay contiguous and were
+// decoded by vpmovzxdq from a 32-byte load, vpmultishiftqb to bits 1-4 and vpandd: three instructions per row, two
+// of them on the shuffle port, where now one gf2p8affineqb and half a load) and the code pointers advanced by the
+// pass's header instead of popcnt and a table per row; bit for bit the same results (compared output by output
+// with main's op: M = 1-20, sparse, empty and dense layouts, G = 64-192, bf16 and fp32 x, 1 and 2 threads). The
+// layout holds 4.6% more bytes at 50% (the 1B shape's layers 453 to 474 MB; 5.1% at 60%): the longer row's count
+// per two rows, and the headers (a third of it). The reference command, main and this kernel alternating, 8 runs
+// each, the second core busy with another job: mag50 cold 15.39-16.87 ms (median 15.75) to 14.26-15.35 (14.62),
+// hot 14.46 to 12.32; mag60 cold 15.05-16.52 (15.93) to 13.57-14.40 (13.73), hot 14.27 to 12.13. By step (6 runs
+// each against the step before): the shared bytes with max(popcnt) of the two rows as the advance, mag50 hot 14.48
+// to 12.68, cold 16.1 to 14.8; then the headers and block_pair_m1's pointers advancing (GCC had spilled its
+// scalars to vector registers), hot 12.71 to 12.39 (mag50) and 12.48 to 12.34 (mag60), cold the same. The op alone
+// at M = 1, 2, 4, 8 (16384 x 2048 at 50%, L3-resident, hot): 13-16% faster. A stand-alone harness (L2-resident
+// 512 x 2048, 50%, 8 rows a pass) gave 0.39-0.41 to 0.33 ns per word and row, 0.31 with headers. Cold at 50% now
+// moves about 32 GB/s, where a plain streaming read on this core measured 38 (84%; the other core busy).
+// Not kept: the second row's u as its high nibble masked in place (16 * code, 120 where pruned, the start and the
+// scale scaled by 8 to match: the same results, one vpandd where gf2p8affineqb) 0.36 against 0.33 ns in the
+// harness; both rows by vpaddb + vpandd and vpandd, without GFNI, 0.36; three blocks per pass (12 rows; in-process
+// alternation, 30 sweeps): hot 1-3% faster, cold 1.5-3% slower; 3 or 4 prefetched lines per pass instead of 2,
+// or 0 or 4 KiB beyond the next pass's position instead of 1 KiB: within 2%, inside the noise of those runs.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -74,67 +94,56 @@
 #include "bitmap_q4_kernels.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,avx512vnni,avx512bf16,gfni,bmi,bmi2,popcnt,fma,f16c")
 
 #include "kernel_avx512.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {
 
-// vpmultishiftqb's offsets: byte k of a qword that holds codes 8j .. 8j + 7 (code i at bits 4i .. 4i + 3)
-// takes the 8 bits from bit 4 (k % 8) - 1 on (mod 64: bit 63 first for k % 8 = 0), so that code k lands on
-// bits 1-4, 2 * code, with one bit of its neighbours below and three above.
-constexpr auto make_shifts() {
-  struct {
-    alignas(64) uint8_t k[64];
-  } t{};
-  for (int k = 0; k < 64; ++k) t.k[k] = static_cast<uint8_t>((4 * (k % 8) + 63) % 64);
-  return t;
-}
-constexpr auto kShifts = make_shifts();
-
-// ceil(n / 2): the code bytes of a pair with n kept weights.
-constexpr auto make_pair_bytes() {
-  struct {
-    alignas(64) int64_t n[65];
-  } t{};
-  for (int i = 0; i <= 64; ++i) t.n[i] = (i + 1) / 2;
-  return t;
-}
-constexpr auto kPairBytes = make_pair_bytes();
+// gf2p8affineqb's matrices (one qword, repeated): output bit i of a byte is the parity of the input bits that
+// matrix byte 7 - i selects. kLowNibble makes 2 * the low nibble (bits 0-3 to 1-4), kHighNibble 2 * the high
+// nibble (bits 4-7 to 1-4); every other bit 0.
+constexpr int64_t kLowNibble = 0x0001020408000000, kHighNibble = 0x0010204080000000;
 
 struct PairDecoder {
-  __m512i shifts, doubled_code, fifteen;
+  __m512i low, high, fifteen;
   PairDecoder()
-      : shifts(_mm512_load_si512(kShifts.k)), doubled_code(_mm512_set1_epi8(0x1e)), fifteen(_mm512_set1_epi8(15)) {}
+      : low(_mm512_set1_epi64(kLowNibble)), high(_mm512_set1_epi64(kHighNibble)), fifteen(_mm512_set1_epi8(15)) {}
 
-  // 2 * code k in byte k for the 64 codes (32 bytes) at `codes`: each 4 code bytes widened to a qword (the
-  // load's vpmovzxdq), the nibbles moved to bits 1-4 and the neighbours' bits cleared.
-  inline __m512i doubled(const uint8_t* codes) const {
-    const __m512i w = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, w), doubled_code);
-  }
-
-  // The pair's 64 weights as u8, 15 more than the level (2 * code where kept, 15 elsewhere), without the scale.
-  inline __m512i pair(const uint8_t* codes, const uint64_t* mask) const {
-    return _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(mask))),
-                                   doubled(codes));
-  }
-
-  // A pair with every weight kept (a dense layout: no mask, 32 code bytes): no expand.
-  inline __m512i full(const uint8_t* codes) const { return doubled(codes); }
-
-  // Pair q of row r of a block (masks: the block's, unused for a dense layout); advances `codes`.
+  // Where the two pairs of rows of a block's pass (pair) find their codes, from the pass's first code byte
+  // `codes` (its header's counts, or 64 bytes each in a dense layout); advances `codes` to the next pass.
   template <bool Dense>
-  inline __m512i next(const uint8_t*& codes, const uint64_t* masks, int64_t q, int r) const {
+  static inline void starts(const uint8_t*& codes, const uint8_t* at[2]) {
     if constexpr (Dense) {
-      const __m512i w = full(codes);
-      codes += 32;
-      return w;
+      at[0] = codes;
+      at[1] = codes + 64;
+      codes += 128;
+    } else {
+      const int64_t first = codes[0], both = codes[1];
+      at[0] = codes + kPairHeader;
+      at[1] = codes + kPairHeader + first;
+      codes += kPairHeader + both;
     }
-    const __m512i w = pair(codes, masks + q * kPairRows + r);
-    codes += kPairBytes.n[_mm_popcnt_u64(masks[q * kPairRows + r])];
-    return w;
+  }
+
+  // Rows 2 rp and 2 rp + 1 of a block at pair q (masks: the block's, unused for a dense layout), from their
+  // shared code bytes at `codes` (the first row's codes in the low nibbles, the second's in the high ones; see
+  // bitmap_q4_kernels.h), as u8 15 more than the level (2 * code where kept, 15 elsewhere): one 64-byte load,
+  // one gf2p8affineqb per row for 2 * code and vpexpandb to the kept columns, merged into 15s (a dense layout:
+  // no expand).
+  template <bool Dense>
+  inline void rows(const uint8_t* codes, const uint64_t* masks, int64_t q, int rp, __m512i w[2]) const {
+    const __m512i v = _mm512_loadu_si512(codes);
+    const __m512i a = _mm512_gf2p8affine_epi64_epi8(v, low, 0), b = _mm512_gf2p8affine_epi64_epi8(v, high, 0);
+    if constexpr (Dense) {
+      w[0] = a;
+      w[1] = b;
+    } else {
+      const uint64_t* m = masks + q * kPairRows + 2 * rp;
+      w[0] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m))), a);
+      w[1] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m + 1))), b);
+    }
   }
 };
 
@@ -192,12 +201,18 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
       start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next<Dense>(c, masks, q, r);
-      for (int m = 0; m < M; ++m) {
-        // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
-        const __m512i sum = _mm512_dpbusd_epi32(start[m], w, xv[m]);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
+    const uint8_t* at[2];
+    PairDecoder::starts<Dense>(c, at);
+    for (int rp = 0; rp < R / 2; ++rp) {
+      __m512i w[2];
+      dec.rows<Dense>(at[rp], masks, q, rp, w);
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * rp + h;
+        for (int m = 0; m < M; ++m) {
+          // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
+          const __m512i sum = _mm512_dpbusd_epi32(start[m], w[h], xv[m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
+        }
       }
     }
     if (++j == gp) {
@@ -242,44 +257,64 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  // Pointers that advance with the pass (the loop's bookkeeping is a fair share of its instructions).
   const uint64_t* masks0 = Dense ? nullptr : p.masks + b * pairs * R;
   const uint64_t* masks1 = Dense ? nullptr : masks0 + pairs * R;
+  const uint64_t* masks_ahead = Dense ? nullptr : masks1 + pairs * R;
   const uint8_t* c0 = p.codes + p.block_offsets[b];
   const uint8_t* c1 = p.codes + p.block_offsets[b + 1];
-  const uint8_t *const c0_start = c0, *const c1_start = c1;
+  // The two blocks' codes (and masks) are each other's neighbours: one walk over the next pass's codes (as long
+  // as this pass's, about) and masks, as fast as this pass reads its own: the codes' at c1's start + (c1's start
+  // - c0's start) + both blocks' progress, = c0 + c1 + this.
+  const uintptr_t ahead_base = reinterpret_cast<uintptr_t>(c1) - 2 * reinterpret_cast<uintptr_t>(c0) + kPairPrefetchBytes;
   const int8_t* xv = p.x_values;
-  const float* s = scales;
-  const int64_t second = groups * R;
+  const float* s0 = scales;
+  const float* s1 = scales + groups * R;
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
-    {
-      // The two blocks' codes (and masks) are each other's neighbours: one walk over the next pass's codes
-      // (as long as this pass's, about) and masks, as fast as this pass reads its own.
-      const char* ahead = reinterpret_cast<const char*>(c1_start) + (c1_start - c0_start) + (c0 - c0_start) +
-                          (c1 - c1_start) + kPairPrefetchBytes;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      if constexpr (Dense) {
-        _mm_prefetch(ahead + 128, _MM_HINT_T0);
-        _mm_prefetch(ahead + 192, _MM_HINT_T0);
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(masks1 + pairs * R + 2 * q * R) + kPairMaskPrefetchBytes, _MM_HINT_T0);
-      }
+    const char* ahead = reinterpret_cast<const char*>(ahead_base + reinterpret_cast<uintptr_t>(c0) +
+                                                      reinterpret_cast<uintptr_t>(c1));
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    if constexpr (Dense) {
+      _mm_prefetch(ahead + 128, _MM_HINT_T0);
+      _mm_prefetch(ahead + 192, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(masks_ahead) + kPairMaskPrefetchBytes, _MM_HINT_T0);
+      masks_ahead += 2 * R;
     }
-    const __m512i x = _mm512_loadu_si512(xv + 64 * q);
+    const __m512i x = _mm512_loadu_si512(xv);
+    xv += 64;
     const __m512i start =
         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next<Dense>(c0, masks0, q, r);
-      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, x)), _mm512_set1_ps(s[r]), acc[0][r]);
+    const uint8_t* at[2];
+    PairDecoder::starts<Dense>(c0, at);
+    for (int rp = 0; rp < R / 2; ++rp) {
+      __m512i w[2];
+      dec.rows<Dense>(at[rp], masks0, 0, rp, w);
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * rp + h;
+        acc[0][r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = dec.next<Dense>(c1, masks1, q, r);
-      acc[1][r] =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, x)), _mm512_set1_ps(s[second + r]), acc[1][r]);
+    PairDecoder::starts<Dense>(c1, at);
+    for (int rp = 0; rp < R / 2; ++rp) {
+      __m512i w[2];
+      dec.rows<Dense>(at[rp], masks1, 0, rp, w);
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * rp + h;
+        acc[1][r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
+      }
+    }
+    if constexpr (!Dense) {
+      masks0 += R;
+      masks1 += R;
     }
     if (++j == gp) {
       j = 0;
-      s += R;
+      s0 += R;
+      s1 += R;
     }
   }
   for (int h = 0; h < 2; ++h) {
@@ -393,9 +428,23 @@ void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t bloc
     const uint8_t* c = p.codes + p.block_offsets[b];
     const int64_t row0 = b * kPairRows, real = std::min<int64_t>(kPairRows, p.rows - row0);
     for (int64_t q = 0; q < pairs; ++q) {
-      for (int r = 0; r < kPairRows; ++r) {
-        const __m512i u = masks == nullptr ? dec.next<true>(c, masks, q, r) : dec.next<false>(c, masks, q, r);
-        if (r < real) emit(row0 + r - kPairRows * block_begin, q, r, b, u);
+      const uint8_t* at[2];
+      if (masks == nullptr) {
+        PairDecoder::starts<true>(c, at);
+      } else {
+        PairDecoder::starts<false>(c, at);
+      }
+      for (int rp = 0; rp < kPairRows / 2; ++rp) {
+        __m512i u[2];
+        if (masks == nullptr) {
+          dec.rows<true>(at[rp], masks, q, rp, u);
+        } else {
+          dec.rows<false>(at[rp], masks, q, rp, u);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int r = 2 * rp + h;
+          if (r < real) emit(row0 + r - kPairRows * block_begin, q, r, b, u[h]);
+        }
       }
     }
   }

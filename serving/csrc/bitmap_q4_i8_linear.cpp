@@ -33,8 +33,8 @@ namespace {
 bool i8_available() {
   static const auto isa_op =
       c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
-  static const bool cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
-                          __builtin_cpu_supports("avx512vbmi2");
+  static const bool cpu =
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("gfni");
   return cpu && isa_op.call() == "avx512";
 }
 
@@ -44,19 +44,24 @@ uint64_t pair_mask(const uint8_t* row, int64_t pair) {
   return word;
 }
 
-// Appends one row's codes of pair q, from the stored layout (each 32-column word's codes from a byte,
-// `codes` at the pair's first word), to the pair layout at `out`; returns the bytes written.
-int64_t pack_pair(uint64_t mask, const uint8_t* codes, uint8_t* out) {
-  int64_t t = 0;  // nibble of the pair
+// Puts one row's codes of pair q, from the stored layout (each 32-column word's codes from a byte, `codes` at
+// the pair's first word), in the low (nibble 0) or high (nibble 1) nibbles of the pair layout's bytes at `out`,
+// its k-th kept code in byte k.
+void pack_pair(uint64_t mask, const uint8_t* codes, int nibble, uint8_t* out) {
+  int64_t t = 0;  // kept weight of the pair
   for (int half = 0; half < 2; ++half) {
     const int n = __builtin_popcount(static_cast<uint32_t>(mask >> (32 * half)));
     for (int k = 0; k < n; ++k, ++t) {
       const uint8_t code = (codes[k / 2] >> (4 * (k % 2))) & 0xf;
-      out[t / 2] |= static_cast<uint8_t>(code << (4 * (t % 2)));
+      out[t] |= static_cast<uint8_t>(code << (4 * nibble));
     }
     codes += (n + 1) / 2;
   }
-  return (t + 1) / 2;
+}
+
+// The code bytes of rows 2 rp and 2 rp + 1 of a block at one pair: the longer row's count.
+int64_t row_pair_bytes(uint64_t first, uint64_t second) {
+  return std::max(__builtin_popcountll(first), __builtin_popcountll(second));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
@@ -82,15 +87,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
   at::Tensor masks = at::empty({blocks, pairs, kPairRows}, offsets.options().dtype(at::kLong));
   int64_t* block_offset = block_offsets.data_ptr<int64_t>();
   uint64_t* mask_data = reinterpret_cast<uint64_t*>(masks.data_ptr<int64_t>());
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t q = 0; q < pairs; ++q) {
+      for (int64_t r = 0; r < kPairRows; ++r) mask_data[(b * pairs + q) * kPairRows + r] = mask_of(b * kPairRows + r, q);
+    }
+  }
+  // Every weight kept (rows a whole number of blocks): the dense layout, without masks or pass headers.
+  const bool dense = rows % kPairRows == 0 && std::all_of(mask_data, mask_data + masks.numel(),
+                                                           [](uint64_t mask) { return mask == ~uint64_t{0}; });
+  const int64_t header = dense ? 0 : kPairHeader;
   int64_t total = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     block_offset[b] = total;
     for (int64_t q = 0; q < pairs; ++q) {
-      for (int64_t r = 0; r < kPairRows; ++r) {
-        const uint64_t mask = mask_of(b * kPairRows + r, q);
-        mask_data[(b * pairs + q) * kPairRows + r] = mask;
-        total += (__builtin_popcountll(mask) + 1) / 2;
-      }
+      const uint64_t* m = mask_data + (b * pairs + q) * kPairRows;
+      total += header + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
     }
   }
   const int64_t groups = scales.size(1);
@@ -113,19 +124,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
       }
       uint8_t* dst = out + block_offset[b];
       for (int64_t q = 0; q < pairs; ++q) {
+        const uint64_t* m = mask_data + (b * pairs + q) * kPairRows;
+        if (!dense) {  // the pass's header: the first pair of rows' bytes, and both pairs'
+          const int64_t first = row_pair_bytes(m[0], m[1]);
+          dst[0] = static_cast<uint8_t>(first);
+          dst[1] = static_cast<uint8_t>(first + row_pair_bytes(m[2], m[3]));
+          dst += kPairHeader;
+        }
         for (int64_t r = 0; r < kPairRows; ++r) {
-          if (row_codes[r] == nullptr) continue;
-          const uint64_t mask = mask_data[(b * pairs + q) * kPairRows + r];
-          dst += pack_pair(mask, row_codes[r], dst);
-          row_codes[r] += (__builtin_popcount(static_cast<uint32_t>(mask)) + 1) / 2 +
-                          (__builtin_popcount(static_cast<uint32_t>(mask >> 32)) + 1) / 2;
+          if (row_codes[r] != nullptr) {  // padding rows (mask 0) have none
+            pack_pair(m[r], row_codes[r], static_cast<int>(r % 2), dst);
+            row_codes[r] += (__builtin_popcount(static_cast<uint32_t>(m[r])) + 1) / 2 +
+                            (__builtin_popcount(static_cast<uint32_t>(m[r] >> 32)) + 1) / 2;
+          }
+          if (r % 2 == 1) dst += row_pair_bytes(m[r - 1], m[r]);
         }
       }
     }
   });
-  // Every weight kept (rows a whole number of blocks): the dense layout, without masks.
-  const bool dense = rows % kPairRows == 0 && std::all_of(mask_data, mask_data + masks.numel(),
-                                                           [](uint64_t mask) { return mask == ~uint64_t{0}; });
   return {dense ? masks.new_empty({0}) : masks, packed, block_offsets, block_scales};
 }
 
@@ -133,7 +149,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
                                const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
                                int64_t n_cols, const std::optional<at::Tensor>& bias) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
-  TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI, VBMI and VBMI2, and the avx512 ISA chosen");
+  TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI and VBMI2, GFNI, and the avx512 ISA chosen");
   TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
                   scales.device().is_cpu() && block_offsets.device().is_cpu() &&
                   (!bias.has_value() || bias->device().is_cpu()),

@@ -62,13 +62,17 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 // kernel reads it, so that it streams from two sequential arrays with one pointer each:
 // - masks: per block, pair (64 columns) and row of the block, the pair's 64-bit mask; none (a dense layout,
 //   every pair's 32 code bytes, no expand) when every weight is kept (a 4-bit lm_head);
-// - codes: per block, pair and row, that row's kept codes of the pair (the k-th in byte k/2, low nibble for
-//   even k), padded to a byte; block_offsets[b] is block b's first code byte, and kPairPad zero bytes
-//   follow the last one;
+// - codes: per block and pair, a header of kPairHeader bytes (none in a dense layout): the code bytes of the
+//   pair's rows 0 and 1, and those of all four rows (each at most 64 and 128); then per pair of rows (rows 0
+//   and 1, then 2 and 3) the two rows' kept codes of the pair in the same bytes: the first row's k-th in the
+//   low nibble of byte k, the second row's in the high nibble, as many bytes as the longer row has kept weights
+//   (the shorter row's nibbles beyond its count 0; 64 bytes in a dense layout); block_offsets[b] is block b's
+//   first code byte, and kPairPad zero bytes follow the last one;
 // - scales: per block, group and row of the block, the row's fp16 scale (padded rows 0); the group size must
 //   be a multiple of 64.
 constexpr int kPairRows = 4;
-constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 32-byte load; 64 keeps the pad a line
+constexpr int64_t kPairPad = 64;  // a pair of rows' codes are read with one 64-byte load
+constexpr int64_t kPairHeader = 2;
 constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
 constexpr int64_t kPairMaxM = 8;  // rows of x the int8 kernel takes; above, decoded tiles and a GEMM
 

@@ -57,6 +57,7 @@ MODELS = {  # model -> {projection: [n, k]}
 }
 SHAPES = MODELS["Llama-3.2-1B"]
 LAYER = ("qkv", "o", "gate_up", "down")  # one decoder layer's projections
+OPS = ("dense", "onednn", "q4-i8", "q4-i8t", "q4")
 
 
 def weights(n: int, k: int, sparsity: float, group: int, seed: int):
@@ -68,7 +69,7 @@ def weights(n: int, k: int, sparsity: float, group: int, seed: int):
     return t, q4, get_format("bitmap-q4").decode(t).to(torch.bfloat16)
 
 
-def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs, onednn) -> dict:
+def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs, onednn, wanted) -> dict:
     """The calls to time: dense F.linear, vLLM's oneDNN linear (where available), the int8-x op on the pair
     layout (where available), the q4 op."""
     ops = torch.ops.leap_sparse_cpu
@@ -78,10 +79,16 @@ def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs, onednn) -> di
         handler = onednn[0](dense.t(), 32)
         made["onednn"] = lambda: onednn[1](handler, x, None)
     if pairs is not None:
-        made["q4-i8"] = lambda: ops.bitmap_q4_i8_linear(x, *pairs.tensors().values(), pairs.n_rows, k, None)
+        def i8(mode: str):
+            def run():
+                ops.bitmap_q4_i8_prefill(mode)
+                return ops.bitmap_q4_i8_linear(x, *pairs.tensors().values(), pairs.n_rows, k, None)
+            return run
+        made["q4-i8"] = i8("int8")
+        made["q4-i8t"] = i8("tiles")
     parts = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"])
     made["q4"] = lambda: ops.bitmap_q4_linear(x, *parts, k, None)
-    return made
+    return {name: run for name, run in made.items() if name in wanted}
 
 
 def time_ops(ops: dict, repeats: int) -> dict[str, float]:
@@ -108,6 +115,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--isa", default="auto", choices=["auto", *cpu_kernel.ISAS])
     parser.add_argument("--model", default="Llama-3.2-1B", choices=list(MODELS))
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
@@ -119,28 +127,37 @@ def main() -> None:
     for sparsity in args.sparsities:
         totals: dict[str, float] = {}
         print(f"\nsparsity {sparsity:.0%}" + "  (lm_head: every weight kept)" * ("lm_head" in args.shapes))
-        ratios = f"{'/dense':>6} {'/onednn':>7}"
-        print(f"{'shape':>8} {'n x k':>12} {'dense':>8} {'onednn':>8} {'q4-i8':>8} {ratios} {'q4':>8} "
-              f"{ratios}")
+        print(f"{'shape':>8} {'n x k':>12} " + " ".join(header(op) for op in args.ops))
         for name in args.shapes:
             n, k = MODELS[args.model][name]
             t, q4, dense = weights(n, k, 0.0 if name == "lm_head" else sparsity, args.group, seed=n + k)
             pairs = q4.pairs() if i8 else None
             x = torch.randn(args.tokens, k).to(torch.bfloat16)
-            ms = time_ops(make_ops(x, t, dense, pairs, onednn), args.repeats)
+            ms = time_ops(make_ops(x, t, dense, pairs, onednn, args.ops), args.repeats)
             if name in LAYER:
                 for op, v in ms.items():
                     totals[op] = totals.get(op, 0.0) + v
-            print(row(name, f"{n}x{k}", ms), flush=True)
+            print(row(name, f"{n}x{k}", ms, args.ops), flush=True)
         if totals:
-            print(row("layer", "", totals))
+            print(row("layer", "", totals, args.ops))
 
 
-def row(name: str, shape: str, ms: dict[str, float]) -> str:
+def header(op: str) -> str:
+    """The columns of op: its time, and for the sparse ops its ratios to dense, oneDNN and the int8 op's tiles."""
+    return f"{op:>8}" + ("" if op in ("dense", "onednn") else f" {'/dense':>6} {'/onednn':>7} {'/i8t':>6}")
+
+
+def row(name: str, shape: str, ms: dict[str, float], ops) -> str:
     nan = float("nan")
-    dense, onednn, i8, q4 = (ms.get(op, nan) for op in ("dense", "onednn", "q4-i8", "q4"))
-    return (f"{name:>8} {shape:>12} {dense:8.2f} {onednn:8.2f} "
-            f"{i8:8.2f} {i8 / dense:6.3f} {i8 / onednn:7.3f} {q4:8.2f} {q4 / dense:6.3f} {q4 / onednn:7.3f}")
+    cells = []
+    for op in ops:
+        v = ms.get(op, nan)
+        cells.append(f"{v:8.2f}")
+        if op not in ("dense", "onednn"):
+            cells.append(" ".join(f"{v / ms.get(ref, nan):{width}.3f}"
+                                  for ref, width in (("dense", 6), ("onednn", 7), ("q4-i8t", 6))))
+    return f"{name:>8} {shape:>12} " + " ".join(cells)
+
 
 if __name__ == "__main__":
     main()

@@ -443,6 +443,232 @@ void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_be
   });
 }
 
+
+// ---- prefill with int8 x ----
+
+void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts) {
+  const __m512i fifteen = _mm512_set1_epi8(15);
+  const int64_t block = cols / q8.groups;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t g = 0; g < q8.groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t c = g * block; c < (g + 1) * block; c += 64) {
+        sum = _mm512_dpbusd_epi32(sum, fifteen, _mm512_loadu_si512(q8.values + i * cols + c));
+      }
+      starts[i * q8.groups + g] = -_mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
+namespace {
+
+// out[j] = dword j of each of r[0..15] (lane i from r[i]): a 16 x 16 transpose of dwords.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // u[4a + c], 128-bit lane L: rows 4a .. 4a + 3 at dword 4L + c.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88),
+                  w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
+// Panel `panel`'s rows (16 NB of them) into w: for 4-column quad t of a row and register nb of the panel (rows
+// 16 nb .. 16 nb + 15), 64 bytes at w + (t * NB + nb) * 64, lane i the 4 bytes of row 16 nb + i (level + 15, as
+// the pair decoder gives them); rows past the last block 15s. sw[(g * NB + nb) * 16 + i]: 0.5 * the row's scale
+// of group g (0 for padded rows).
+template <int NB, bool Dense>
+void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) {
+  constexpr int BPP = 16 * NB / kPairRows;
+  const PairDecoder dec;
+  const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows, b0 = panel * BPP;
+  const int n = static_cast<int>(std::min<int64_t>(BPP, blocks - b0));
+  const int64_t pairs = p.cols / 64, groups = p.groups;
+  const uint8_t* c[BPP];
+  const uint64_t* masks[BPP];
+  for (int i = 0; i < n; ++i) {
+    c[i] = p.codes + p.block_offsets[b0 + i];
+    masks[i] = Dense ? nullptr : p.masks + (b0 + i) * pairs * kPairRows;
+  }
+  for (int64_t q = 0; q < pairs; ++q) {
+    for (int nb = 0; nb < NB; ++nb) {
+      __m512i r[16];
+      for (int i = 0; i < 4; ++i) {
+        const int blk = 4 * nb + i;
+        for (int rr = 0; rr < kPairRows; ++rr) {
+          r[4 * i + rr] = blk < n ? dec.next<Dense>(c[blk], masks[blk], q, rr) : dec.fifteen;
+        }
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(w + ((16 * q + j) * NB + nb) * 64, r[j]);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int row = 0; row < 16 * NB; ++row) {
+      const int blk = row / kPairRows;
+      sw[g * 16 * NB + row] =
+          blk < n ? 0.5f * _cvtsh_ss(p.scales[((b0 + blk) * groups + g) * kPairRows + row % kPairRows]) : 0.0f;
+    }
+  }
+}
+
+template <bool Embedded>
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {
+  if constexpr (Embedded) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+  } else {
+    int32_t quad;
+    std::memcpy(&quad, x, 4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad));
+  }
+}
+
+// y[m0 .. m0 + MR, row0 .. row0 + 16 NB) from a decoded panel, groups g_begin .. g_end: per group, each (x row,
+// register) pair's integer dot over the group's quads starts at -15 * the group's sum of q and adds (level + 15)
+// * q with vpdpbusd (x's 4 bytes of the quad broadcast), then is folded into the fp32 sum with (0.5 s_w) * s_x,
+// as the decoding kernel's terms. GQ: quads per group (0: read at run time). The fp32 sums start from 0 at group
+// 0, else from `partial` ([MR][16 NB]); at the last group they go to y, else back to `partial`.
+template <int NB, int MR, int GQ, bool Embedded>
+void prefill_micro(const Q4PairProblem& p, const int32_t* starts, const uint8_t* w, const float* sw, int64_t m0,
+                   int64_t row0, int64_t g_begin, int64_t g_end, float* partial) {
+  const int64_t cols = p.cols, groups = p.groups, gq = GQ > 0 ? GQ : 16 * p.group_pairs;
+  const int8_t* x = p.x_values + m0 * cols;
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int nb = 0; nb < NB; ++nb)
+      acc[m][nb] = g_begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + (m * NB + nb) * 16);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    __m512i dot[MR][NB];
+    for (int m = 0; m < MR; ++m) {
+      const __m512i s = _mm512_set1_epi32(starts[(m0 + m) * groups + g]);
+      for (int nb = 0; nb < NB; ++nb) dot[m][nb] = s;
+    }
+    const uint8_t* wg = w + g * gq * NB * 64;
+    const int8_t* xg = x + g * gq * 4;
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < gq; ++t) {
+      __m512i wv[NB];
+      for (int nb = 0; nb < NB; ++nb) wv[nb] = _mm512_loadu_si512(wg + (t * NB + nb) * 64);
+      if constexpr (Embedded) {
+        for (int m = 0; m < MR; ++m)
+          for (int nb = 0; nb < NB; ++nb) dot[m][nb] = dot4<true>(dot[m][nb], wv[nb], xg + m * cols + 4 * t);
+      } else {
+        for (int m = 0; m < MR; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, xg + m * cols + 4 * t, 4);
+          const __m512i xb = _mm512_set1_epi32(quad);
+          for (int nb = 0; nb < NB; ++nb) dot[m][nb] = _mm512_dpbusd_epi32(dot[m][nb], wv[nb], xb);
+        }
+      }
+    }
+    for (int nb = 0; nb < NB; ++nb) {
+      const __m512 s = _mm512_loadu_ps(sw + (g * NB + nb) * 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x_scales[(m0 + m) * groups + g]));
+        acc[m][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][nb]), scale, acc[m][nb]);
+      }
+    }
+  }
+  if (g_end < groups) {
+    for (int m = 0; m < MR; ++m)
+      for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(partial + (m * NB + nb) * 16, acc[m][nb]);
+    return;
+  }
+  for (int nb = 0; nb < NB; ++nb) {
+    const int64_t first = row0 + 16 * nb;
+    if (first >= p.rows) break;
+    const __mmask16 keep = p.rows - first >= 16 ? 0xffff : static_cast<__mmask16>((1u << (p.rows - first)) - 1);
+    const __m512 bias = p.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep, p.bias + first);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = _mm512_add_ps(acc[m][nb], bias);
+      const int64_t at = (m0 + m) * p.y_stride + first;
+      if (p.dtype == DType::BF16) {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.y) + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(p.y) + at, keep, v);
+      }
+    }
+  }
+}
+
+// Rows unit_begin * kPrefillUnitRows .. of y, panel by panel (16 NB rows): each panel decoded once, then
+// multiplied with every MR rows of x, KC groups at a time (0: all) so that the panel's columns in use stay in L1.
+template <int NB, int MR, int KC, bool Embedded, int GQ, bool Dense>
+void prefill_units(const Q4PairProblem& p, const int32_t* starts, int64_t unit_begin, int64_t unit_end) {
+  using Fn = void (*)(const Q4PairProblem&, const int32_t*, const uint8_t*, const float*, int64_t, int64_t, int64_t,
+                      int64_t, float*);
+  static_assert(MR <= 8 && kPrefillUnitRows % (16 * NB) == 0);
+  static constexpr Fn kTails[8] = {
+      &prefill_micro<NB, 1, GQ, Embedded>, &prefill_micro<NB, 2 <= MR ? 2 : 1, GQ, Embedded>,
+      &prefill_micro<NB, 3 <= MR ? 3 : 1, GQ, Embedded>, &prefill_micro<NB, 4 <= MR ? 4 : 1, GQ, Embedded>,
+      &prefill_micro<NB, 5 <= MR ? 5 : 1, GQ, Embedded>, &prefill_micro<NB, 6 <= MR ? 6 : 1, GQ, Embedded>,
+      &prefill_micro<NB, 7 <= MR ? 7 : 1, GQ, Embedded>, &prefill_micro<NB, 8 <= MR ? 8 : 1, GQ, Embedded>};
+  constexpr int64_t PR = 16 * NB;
+  uint8_t* w = static_cast<uint8_t*>(std::aligned_alloc(64, PR * p.cols));
+  float* sw = static_cast<float*>(std::aligned_alloc(64, p.groups * PR * 4));
+  const int64_t kc = KC > 0 ? std::max<int64_t>(1, KC / p.group_pairs) : p.groups;
+  float* partial = kc < p.groups ? static_cast<float*>(std::aligned_alloc(64, ((p.m + 7) / 8) * 8 * PR * 4)) : nullptr;
+  const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows;
+  const int64_t panel_end = std::min((unit_end * kPrefillUnitRows) / PR, (blocks * kPairRows + PR - 1) / PR);
+  for (int64_t panel = unit_begin * kPrefillUnitRows / PR; panel < panel_end; ++panel) {
+    decode_panel<NB, Dense>(p, panel, w, sw);
+    const int64_t row0 = panel * PR;
+    for (int64_t g0 = 0; g0 < p.groups; g0 += kc) {
+      const int64_t g1 = std::min(p.groups, g0 + kc);
+      int64_t m0 = 0;
+      for (; m0 + MR <= p.m; m0 += MR) {
+        prefill_micro<NB, MR, GQ, Embedded>(p, starts, w, sw, m0, row0, g0, g1, partial + m0 * PR);
+      }
+      if (m0 < p.m) kTails[p.m - m0 - 1](p, starts, w, sw, m0, row0, g0, g1, partial + m0 * PR);
+    }
+  }
+  std::free(partial);
+  std::free(sw);
+  std::free(w);
+}
+
+template <int NB, int MR, int KC, bool Embedded>
+void prefill_dispatch(const Q4PairProblem& p, const int32_t* starts, int64_t unit_begin, int64_t unit_end) {
+  const bool dense = p.masks == nullptr;
+  if (p.group_pairs == 1) {
+    return dense ? prefill_units<NB, MR, KC, Embedded, 16, true>(p, starts, unit_begin, unit_end)
+                 : prefill_units<NB, MR, KC, Embedded, 16, false>(p, starts, unit_begin, unit_end);
+  }
+  dense ? prefill_units<NB, MR, KC, Embedded, 0, true>(p, starts, unit_begin, unit_end)
+        : prefill_units<NB, MR, KC, Embedded, 0, false>(p, starts, unit_begin, unit_end);
+}
+
+}  // namespace
+
+void q4_pairs_prefill_units_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t unit_begin,
+                                   int64_t unit_end, int variant) {
+  switch (variant) {
+    case 1: return prefill_dispatch<3, 4, 8, false>(p, starts, unit_begin, unit_end);
+    case 2: return prefill_dispatch<2, 6, 0, false>(p, starts, unit_begin, unit_end);
+    case 3: return prefill_dispatch<2, 6, 8, false>(p, starts, unit_begin, unit_end);
+    case 4: return prefill_dispatch<3, 4, 8, true>(p, starts, unit_begin, unit_end);
+    case 5: return prefill_dispatch<3, 4, 0, true>(p, starts, unit_begin, unit_end);
+    case 6: return prefill_dispatch<2, 6, 0, true>(p, starts, unit_begin, unit_end);
+    case 7: return prefill_dispatch<2, 6, 8, true>(p, starts, unit_begin, unit_end);
+    default: return prefill_dispatch<3, 4, 0, false>(p, starts, unit_begin, unit_end);
+  }
+}
+
 }  // namespace leap_sparse
 
 #pragma GCC pop_options

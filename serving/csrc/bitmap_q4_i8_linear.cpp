@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -29,6 +30,21 @@
 
 namespace leap_sparse {
 namespace {
+
+// Prefill (above kPairMaxM rows of x): int8 x (true) or exact decoded tiles and ATen's GEMM, x as it is.
+std::atomic<bool> g_prefill_int8{true};
+std::atomic<int> g_variant{0};
+
+std::string prefill_op(std::string mode) {
+  if (mode.size() == 6 && mode.substr(0, 5) == "int8:") {
+    g_variant.store(mode[5] - '0');
+    mode = "int8";
+  }
+  TORCH_CHECK(mode.empty() || mode == "int8" || mode == "tiles",
+              "leap_sparse_cpu::bitmap_q4_i8_prefill: use \"int8\" or \"tiles\", not ", mode);
+  if (!mode.empty()) g_prefill_int8.store(mode == "int8");
+  return g_prefill_int8.load() ? "int8" : "tiles";
+}
 
 bool i8_available() {
   static const auto isa_op =
@@ -191,6 +207,24 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     return y;
   }
 
+  if (g_prefill_int8.load()) {
+    // Prefill with int8 x: x quantized once, W decoded panel by panel into the int8 kernel's layout.
+    const at::Tensor values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
+    const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
+    const at::Tensor starts = at::empty({m, p.groups}, x.options().dtype(at::kInt));
+    const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
+    quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
+    q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>());
+    p.x_values = q8.values;
+    p.x_scales = q8.scales;
+    const int64_t units = (rows + kPrefillUnitRows - 1) / kPrefillUnitRows;
+    const int variant = g_variant.load();
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      q4_pairs_prefill_units_avx512(p, starts.data_ptr<int32_t>(), begin, end, variant);
+    });
+    return y;
+  }
+
   // Prefill: x as it is against exact tiles (decoded straight to bf16 for bf16 x), whole blocks of rows per tile.
   tiled_gemm(x2, bias, rows, kPairRows, y, true, [&](int64_t first, int64_t last, void* tile, bool bf16) {
     at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
@@ -210,6 +244,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
 
 TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
+  m.def("bitmap_q4_i8_prefill(str mode=\"\") -> str", &leap_sparse::prefill_op);
   m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols) -> "
         "(Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales)");
   m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "

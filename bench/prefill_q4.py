@@ -143,7 +143,7 @@ def main() -> None:
 
 
 def header(op: str) -> str:
-    """The columns of op: its time, and for the sparse ops its ratios to dense, oneDNN and the int8 op's tiles."""
+    """op's columns: its time, and for the sparse ops its ratios to dense, oneDNN and the int8 op's tiles."""
     return f"{op:>8}" + ("" if op in ("dense", "onednn") else f" {'/dense':>6} {'/onednn':>7} {'/i8t':>6}")
 
 

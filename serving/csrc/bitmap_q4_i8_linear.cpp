@@ -33,13 +33,8 @@ namespace {
 
 // Prefill (above kPairMaxM rows of x): int8 x (true) or exact decoded tiles and ATen's GEMM, x as it is.
 std::atomic<bool> g_prefill_int8{true};
-std::atomic<int> g_variant{0};
 
 std::string prefill_op(std::string mode) {
-  if (mode.size() == 6 && mode.substr(0, 5) == "int8:") {
-    g_variant.store(mode[5] - '0');
-    mode = "int8";
-  }
   TORCH_CHECK(mode.empty() || mode == "int8" || mode == "tiles",
               "leap_sparse_cpu::bitmap_q4_i8_prefill: use \"int8\" or \"tiles\", not ", mode);
   if (!mode.empty()) g_prefill_int8.store(mode == "int8");
@@ -217,10 +212,9 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>());
     p.x_values = q8.values;
     p.x_scales = q8.scales;
-    const int64_t units = (rows + kPrefillUnitRows - 1) / kPrefillUnitRows;
-    const int variant = g_variant.load();
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      q4_pairs_prefill_units_avx512(p, starts.data_ptr<int32_t>(), begin, end, variant);
+    const int64_t panels = (rows + kPrefillPanelRows - 1) / kPrefillPanelRows;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      q4_pairs_prefill_panels_avx512(p, starts.data_ptr<int32_t>(), begin, end);
     });
     return y;
   }

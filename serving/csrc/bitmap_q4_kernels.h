@@ -104,15 +104,15 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
 // ---- prefill with int8 x (bitmap_q4_i8_avx512.cpp) ----
 //
 // Above kPairMaxM rows of x: x quantized once per call as for decoding (Q8Rows), W decoded panel by panel
-// (panels of 32 or 48 rows) into a u8 layout for vpdpbusd (per 4-column quad and 16 rows one 64-byte register:
+// (kPrefillPanelRows rows) into a u8 layout for vpdpbusd (per 4-column quad and 16 rows one 64-byte register:
 // lane i = the row's 4 bytes, level + 15) and multiplied by a register-blocked int8 kernel.
-constexpr int64_t kPrefillUnitRows = 96;  // rows of W per unit of work (whole panels)
+constexpr int64_t kPrefillPanelRows = 32;
 // -15 * the sum of q over each group of x's rows: starts[i * groups + g], where each group's integer dot begins.
 void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts);
-// y[:, rows of units unit_begin..unit_end] for all p.m rows of x (p.x_values, p.x_scales set; `starts` as
+// y[:, rows of panels panel_begin..panel_end] for all p.m rows of x (p.x_values, p.x_scales set; `starts` as
 // q8_group_starts_avx512 makes them).
-void q4_pairs_prefill_units_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t unit_begin,
-                                   int64_t unit_end, int variant);
+void q4_pairs_prefill_panels_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin,
+                                    int64_t panel_end);
 
 // ---- bf16 tiles for prefill with bf16 x (at the ends of bitmap_q4_avx512.cpp and bitmap_q4_i8_avx512.cpp) ----
 //

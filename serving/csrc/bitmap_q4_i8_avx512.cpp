@@ -65,6 +65,38 @@
 // streams in the same pages: the hardware prefetcher no longer covers them); a walk 4 KiB beyond the pass's start
 // was 5% faster on 2048-column layers but slower on down_proj, whose block is larger than that. With the second
 // core busy, decode_sweep's cold figures ranged 16.6-31 ms in one run set: only quiet or interleaved runs count.
+//
+// Prefill (above kPairMaxM rows of x, q4_pairs_prefill_panels_avx512), in place of exact bf16 tiles and ATen's
+// GEMM (x as it is; still there as bitmap_q4_i8_prefill("tiles")): x quantized once per call as above, W decoded
+// panel by panel (32 rows, 8 blocks) into a layout for vpdpbusd, per 4-column quad and 16 rows one 64-byte
+// register (lane i: the quad's 4 bytes of row i, level + 15; per pair and 16 rows the pair decoder's 16 registers,
+// a 16 x 16 transpose of dwords and 16 stores), and each panel multiplied with every 6 rows of x in turn: per
+// group of 64 columns 12 int32 sums (6 rows of x x 2 registers of 16 rows) take 16 vpdpbusd each, x's quad
+// broadcast, starting from -15 * the group's sum of q (made once per row of x and group), then are folded into 12
+// fp32 sums with (0.5 s_w) * s_x. The decoding kernel's terms, each group's dot whole instead of per 4 columns:
+// the same formula, another order of the fp32 sums.
+// Why: a vpdpbusd does 64 multiply-adds, a vdpbf16ps 32, and on this Zen 5 core both issue at the same rate (a
+// loop of independent ones, taskset -c 0: 3.8-4.2 G/s each, 250-270 against 125 GMAC/s); oneDNN's bf16 GEMM on
+// gate_up (16384 x 2048, M = 400) runs at about 96% of that bf16 peak, so only integer dots could go further.
+// Measured (bench/prefill_q4.py --repeats 9, M = 400 bf16 rows, Llama-3.2-1B's layer, 1 thread on core 0, every
+// op interleaved call by call, medians; ratios of the layer's four projections summed): 50% 121.9 ms against
+// 214.1 for the tiles (0.569x), 204.8 for vLLM's oneDNN linear with its weight packed once (0.595x), 209.9 dense
+// F.linear (0.581x); 60% 0.586x / 0.608x / 0.574x; the dense lm_head (49152 x 2048) 0.626x the tiles, 0.652x
+// oneDNN. gate_up: 13.4 G multiply-adds in 65.8 ms, about 75% of the vpdpbusd peak above. Per group and call the
+// loop issues 192 vpdpbusd, 32 weight loads, 96 broadcasts of x and 36 fold instructions; the panel's decode is
+// about 6% of the time (perf, gate_up).
+// Variants, all measured against the tiles in one process (interleaved, medians of 5-9, layer sums, 1 thread):
+// - 4 rows of x x 3 registers (48-row panels): 0.571-0.624x; 6 x 2 (kept): 0.542-0.597x; both with the quad loop
+//   over the group run by a loop: GCC then rotated the int32 sums through about two dozen register copies per
+//   iteration (0.743-0.748x); `#pragma GCC unroll 16` removed them.
+// - Not kept: the K loop blocked by 512 columns (the panel's columns in L1, the fp32 sums through memory):
+//   4 x 3 0.580-0.795x, 6 x 2 0.610-0.633x (no gain: the panel streams from L2 fast enough); x's quad as
+//   vpdpbusd's broadcast memory operand (inline asm, no broadcast instructions): 0.674-0.735x (GCC schedules
+//   around the asm worse).
+// - The panel's decode, first with its scale table made by one scalar fp16 conversion per row and group and no
+//   prefetch: 11% of the time (perf, gate_up); the table 16 conversions at a time and each block's codes and masks
+//   prefetched 512 bytes ahead: 6% (layer 0.577 -> 0.542x, one run each).
+// By M (same command, --tokens M, 50%, medians of 7): see docs/kernels.md.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -615,12 +647,42 @@ void prefill_panels(const Q4PairProblem& p, const int32_t* starts, int64_t panel
                                         &prefill_micro<NB, 5, GQ>};
   uint8_t* w = static_cast<uint8_t*>(std::aligned_alloc(64, kPrefillPanelRows * p.cols));
   float* sw = static_cast<float*>(std::aligned_alloc(64, p.groups * kPrefillPanelRows * 4));
+  constexpr int64_t BPP = kPrefillPanelRows / kPairRows;
+  const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows, calls = (p.m + MR - 1) / MR;
   for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
     decode_panel<NB, Dense>(p, panel, w, sw);
     const int64_t row0 = panel * kPrefillPanelRows;
+    // The next panel's codes and masks (each a contiguous range: its blocks follow each other), fetched into L2
+    // a share at a time between this panel's micro-kernel calls (the last block's codes: a line past its start;
+    // a prefetch past the tensor's end is harmless). Cold weights (qkv 3072 x 2048 rotated through 300 MB, 1
+    // thread, processes alternated, 3 each): M = 9 0.47-0.48 -> 0.43-0.44 ms, 16 0.57-0.58 -> 0.52, 64 1.25-1.28
+    // -> 1.13-1.15, 400 6.05-6.32 -> 5.97-6.05.
+    const char *code_at = nullptr, *mask_at = nullptr;
+    int64_t code_step = 0, mask_step = 0;
+    if (panel + 1 < panel_end) {
+      const int64_t b = (panel + 1) * BPP, e = std::min(blocks, b + BPP);
+      code_at = reinterpret_cast<const char*>(p.codes + p.block_offsets[b]);
+      const int64_t code_bytes = (e < blocks ? p.block_offsets[e] : p.block_offsets[blocks - 1] + 64) -
+                                 p.block_offsets[b];
+      code_step = (code_bytes / 64 + calls) / calls;
+      if (!Dense) {
+        mask_at = reinterpret_cast<const char*>(p.masks + b * (p.cols / 64) * kPairRows);
+        mask_step = ((e - b) * (p.cols / 64) * kPairRows * 8 / 64 + calls) / calls;
+      }
+    }
+    const auto fetch = [&]() {
+      for (int64_t i = 0; i < code_step; ++i, code_at += 64) _mm_prefetch(code_at, _MM_HINT_T1);
+      for (int64_t i = 0; i < mask_step; ++i, mask_at += 64) _mm_prefetch(mask_at, _MM_HINT_T1);
+    };
     int64_t m0 = 0;
-    for (; m0 + MR <= p.m; m0 += MR) prefill_micro<NB, MR, GQ>(p, starts, w, sw, m0, row0);
-    if (m0 < p.m) kTails[p.m - m0 - 1](p, starts, w, sw, m0, row0);
+    for (; m0 + MR <= p.m; m0 += MR) {
+      fetch();
+      prefill_micro<NB, MR, GQ>(p, starts, w, sw, m0, row0);
+    }
+    if (m0 < p.m) {
+      fetch();
+      kTails[p.m - m0 - 1](p, starts, w, sw, m0, row0);
+    }
   }
   std::free(sw);
   std::free(w);

@@ -4,10 +4,14 @@
 //       -> (masks, codes, block_offsets, scales): the pair layout (bitmap_q4_kernels.h) of a checked bitmap-q4
 //          weight, made once at load
 //   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None)
-//       -> y = x W^T + b from the pair layout: up to kPairMaxM rows of x are quantized to int8 per row and
-//          weight group (scale max|x| / 127) and multiplied in integers; more rows (prefill) multiply x as
-//          it is with exact decoded tiles of W (for bf16 x decoded straight to bf16: each exact value rounded
-//          once), as bitmap_q4_linear does.
+//       -> y = x W^T + b from the pair layout: x is quantized to int8 per row and weight group (scale max|x| /
+//          127) and multiplied in integers: up to kPairMaxM rows (decoding steps) straight from the layout,
+//          more (prefill) by a GEMM on panels of W decoded for it (bitmap_q4_i8_avx512.cpp's header: 0.57x the
+//          time of the tiles below at 400 rows of Llama-3.2-1B's layer, 0.60x vLLM's oneDNN bf16 linear).
+//   leap_sparse_cpu::bitmap_q4_i8_prefill(mode="") -> "int8" (the default) or "tiles": how the op multiplies
+//          more than kPairMaxM rows; "tiles" multiplies x as it is with exact decoded tiles of W and ATen's GEMM
+//          (for bf16 x decoded straight to bf16: each exact value rounded once), as bitmap_q4_linear does. Set
+//          for the whole process (benchmarks and tests); "" only asks.
 // A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +36,7 @@ namespace leap_sparse {
 namespace {
 
 // Prefill (above kPairMaxM rows of x): int8 x (true) or exact decoded tiles and ATen's GEMM, x as it is.
+// Measured at M = 400 (bench/prefill_q4.py): the int8 kernel 0.57-0.59x the tiles' time per layer.
 std::atomic<bool> g_prefill_int8{true};
 
 std::string prefill_op(std::string mode) {

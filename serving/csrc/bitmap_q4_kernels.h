@@ -70,7 +70,11 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 constexpr int kPairRows = 4;
 constexpr int64_t kPairPad = 64;  // a pair's codes are read with one 32-byte load; 64 keeps the pad a line
 constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
-constexpr int64_t kPairMaxM = 8;  // rows of x the int8 kernel takes; above, decoded tiles and a GEMM
+// Rows of x the int8 decoding kernel takes; above, the prefill kernel (q4_pairs_prefill_panels_avx512). Measured
+// (qkv 3072 x 2048, 50%, 1 thread): with hot weights the prefill kernel is the faster from M = 6 (M = 8: 0.29-0.31
+// against 0.39-0.40 ms), but with cold ones (rotated through 300 MB, as a model's layers are when served) it is the
+// slower up to 8 (M = 8: 0.48 against 0.42-0.44 ms; M = 1: 0.38-0.39 against 0.10).
+constexpr int64_t kPairMaxM = 8;
 
 // x quantized per call, per row of x and weight group: x = scale * q, |q| <= 127.
 struct Q8Rows {
@@ -79,7 +83,7 @@ struct Q8Rows {
   int64_t groups;
 };
 
-struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G; m <= kPairMaxM
+struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G
   const uint64_t* masks;          // [blocks, cols / 64, kPairRows], or nullptr: the dense layout
   const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
   const int64_t* block_offsets;   // [blocks]

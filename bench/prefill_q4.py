@@ -3,6 +3,7 @@
     taskset -c 0 python bench/prefill_q4.py [--tokens 400] [--sparsities 0.5 0.6] [--group 64] [--repeats 9]
                                             [--shapes qkv o gate_up down lm_head] [--isa auto]
                                             [--model Llama-3.2-1B | SmolLM2-135M]
+                                            [--ops dense onednn q4-i8 q4-i8t q4]
 
 For each projection of one Llama-3.2-1B layer as vLLM merges them (qkv 3072x2048, o 2048x2048, gate_up
 16384x2048, down 2048x8192; --model SmolLM2-135M: 960x576, 576x576, 3072x576, 576x1536) and the 4-bit dense
@@ -11,11 +12,14 @@ random weight masked exactly per row at each sparsity, it times side by side, ta
 - dense: `torch.nn.functional.linear(x, W)` with x and the same (decoded) W in bf16;
 - onednn: what stock vLLM runs for that dense layer on this CPU (`dispatch_cpu_unquantized_gemm`: oneDNN with
   the weight packed once, `vllm._custom_ops.create_onednn_mm` + `onednn_mm`), where vLLM's CPU ops import;
-- q4-i8: `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear` on `Q4Weight.pairs()` (the served default; above
-  8 rows of x it multiplies x as it is), where the CPU has AVX-512 VNNI;
+- q4-i8: `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear` on `Q4Weight.pairs()` (the served default: above 8
+  rows of x its int8 prefill kernel), where the CPU has AVX-512 VNNI;
+- q4-i8t: the same op with `bitmap_q4_i8_prefill("tiles")`: above 8 rows x as it is, exact decoded tiles and
+  ATen's GEMM (the int8 op's prefill before the int8 kernel);
 - q4: `torch.ops.leap_sparse_cpu.bitmap_q4_linear` on the stored bitmap-q4 tensors.
-x is bf16 [tokens, in]. Prints medians (ms) and each op's ratio to dense and to onednn, per shape and summed
-over the layer's four projections. Run it pinned to one core with torch at one thread (it sets 1 thread).
+x is bf16 [tokens, in]. Prints medians (ms) and each op's ratio to dense, to onednn and to q4-i8t, per shape
+and summed over the layer's four projections. Run it pinned to one core with torch at one thread (it sets 1
+thread).
 The lm_head row is for reference: in a vLLM prefill it multiplies only the rows that are sampled from.
 
 Measured 2026-11-25 (2-core EPYC Zen 5, `taskset -c 0`, medians of 7, a second process busy on the other core;
@@ -27,8 +31,13 @@ runs of the two builds alternated), layer sums, ratio to dense F.linear / to vLL
   projection q4-i8 0.98-1.01 / 1.02-1.05, gate_up 16384x2048 57.6-59.5 ms against oneDNN 56.1-58.2).
 vLLM's oneDNN linear (the weight packed once) runs 3.5-5% faster than F.linear (which reorders the whole
 weight every call); the tiles' GEMMs alone match it, and the remaining 2-4% is the decode of the tiles.
+(q4-i8 here ran the tiles, as q4-i8t does now.)
 SmolLM2-135M after (medians of 15, one run): layer q4-i8 1.008-1.023 / 1.057-1.077, q4 1.006-1.009 /
 1.054-1.063; its 576-column projections take 0.5-3 ms, where oneDNN's packed weight gains 5-6% over F.linear.
+Then the int8 prefill kernel (`--repeats 9 --ops dense onednn q4-i8 q4-i8t`, same machine, one run, the
+other core's load changing between the two sparsities), layer sums, q4-i8 to dense / onednn / q4-i8t: 50%
+0.581 / 0.595 / 0.569 (121.9 ms against 214.1 for the tiles), 60% 0.574 / 0.608 / 0.586; lm_head 0.620 /
+0.652 / 0.626. By M: docs/kernels.md.
 """
 
 import argparse

@@ -519,14 +519,14 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Panel `panel`'s rows (16 NB of them) into w: for 4-column quad t of a row and register nb of the panel (rows
-// 16 nb .. 16 nb + 15), 64 bytes at w + (t * NB + nb) * 64, lane i the 4 bytes of row 16 nb + i (level + 15, as
-// the pair decoder gives them); rows past the last block 15s. sw[(g * NB + nb) * 16 + i]: 0.5 * the row's scale
-// of group g (0 for padded rows).
 constexpr int kPanelNB = kPrefillPanelRows / 16;  // registers of 16 rows per panel
 // Software prefetch of each block's codes and masks this many bytes ahead while a panel is decoded.
 constexpr int64_t kPanelPrefetch = 512;
 
+// Panel `panel`'s rows (16 NB of them) into w: for 4-column quad t of a row and register nb of the panel (rows
+// 16 nb .. 16 nb + 15), 64 bytes at w + (t * NB + nb) * 64, lane i the 4 bytes of row 16 nb + i (level + 15, as
+// the pair decoder gives them); rows past the last block 15s. sw[(g * NB + nb) * 16 + i]: 0.5 * the row's scale
+// of group g (0 for padded rows).
 template <int NB, bool Dense>
 void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) {
   constexpr int BPP = 16 * NB / kPairRows;

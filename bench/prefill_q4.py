@@ -37,7 +37,8 @@ SmolLM2-135M after (medians of 15, one run): layer q4-i8 1.008-1.023 / 1.057-1.0
 Then the int8 prefill kernel (`--repeats 9 --ops dense onednn q4-i8 q4-i8t`, same machine, one run, the
 other core's load changing between the two sparsities), layer sums, q4-i8 to dense / onednn / q4-i8t: 50%
 0.581 / 0.595 / 0.569 (121.9 ms against 214.1 for the tiles), 60% 0.574 / 0.608 / 0.586; lm_head 0.620 /
-0.652 / 0.626. By M: docs/kernels.md.
+0.652 / 0.626. Again with the other core quiet, 50%: 0.565 / 0.589 / 0.572 (59.7 ms against 101.4 for
+onednn). SmolLM2-135M (--repeats 15): 0.600 / 0.627 / 0.584. By M: docs/kernels.md.
 """
 
 import argparse

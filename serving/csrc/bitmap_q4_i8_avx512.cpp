@@ -76,15 +76,18 @@
 // fp32 sums with (0.5 s_w) * s_x. The decoding kernel's terms, each group's dot whole instead of per 4 columns:
 // the same formula, another order of the fp32 sums.
 // Why: a vpdpbusd does 64 multiply-adds, a vdpbf16ps 32, and on this Zen 5 core both issue at the same rate (a
-// loop of independent ones, taskset -c 0: 3.8-4.2 G/s each, 250-270 against 125 GMAC/s); oneDNN's bf16 GEMM on
-// gate_up (16384 x 2048, M = 400) runs at about 96% of that bf16 peak, so only integer dots could go further.
+// loop of 12 independent ones, taskset -c 0: 8.5 and 7.8-7.9 G/s with the other core quiet, 3.8-4.2 each with it
+// busy: 545 against 250 GMAC/s); oneDNN's bf16 GEMM on gate_up (16384 x 2048, M = 400) runs at about 96% of that
+// bf16 peak, so only integer dots could go further.
 // Measured (bench/prefill_q4.py --repeats 9, M = 400 bf16 rows, Llama-3.2-1B's layer, 1 thread on core 0, every
-// op interleaved call by call, medians; ratios of the layer's four projections summed): 50% 121.9 ms against
-// 214.1 for the tiles (0.569x), 204.8 for vLLM's oneDNN linear with its weight packed once (0.595x), 209.9 dense
-// F.linear (0.581x); 60% 0.586x / 0.608x / 0.574x; the dense lm_head (49152 x 2048) 0.626x the tiles, 0.652x
-// oneDNN. gate_up: 13.4 G multiply-adds in 65.8 ms, about 75% of the vpdpbusd peak above. Per group and call the
-// loop issues 192 vpdpbusd, 32 weight loads, 96 broadcasts of x and 36 fold instructions; the panel's decode is
-// about 6% of the time (perf, gate_up).
+// op interleaved call by call, medians; ratios of the layer's four projections summed), q4-i8 to the tiles / to
+// vLLM's oneDNN linear with its weight packed once / to dense F.linear: other core quiet, 50%: 59.7 ms against
+// 104.4 (0.572x) / 101.4 (0.589x) / 105.6 (0.565x); an earlier run with it busy, 50%: 121.9 against 214.1 (0.569x)
+// / 204.8 (0.595x) / 209.9 (0.581x), 60% 0.586x / 0.608x / 0.574x, the dense lm_head (49152 x 2048) 0.626x /
+// 0.652x / 0.620x. SmolLM2-135M's layer (576 columns, --repeats 15): 0.584x / 0.627x / 0.600x. gate_up: 13.4 G
+// multiply-adds in 32.7 ms (quiet), about 75% of the vpdpbusd peak. Per group and call the loop issues 192
+// vpdpbusd, 32 weight loads, 96 broadcasts of x and 36 fold instructions; the panel's decode is about 6% of the
+// time (perf, gate_up).
 // Variants, all measured against the tiles in one process (interleaved, medians of 5-9, layer sums, 1 thread):
 // - 4 rows of x x 3 registers (48-row panels): 0.571-0.624x; 6 x 2 (kept): 0.542-0.597x; both with the quad loop
 //   over the group run by a loop: GCC then rotated the int32 sums through about two dozen register copies per

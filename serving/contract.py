@@ -21,9 +21,9 @@ SERVABLE_FORMATS: dict[str, tuple[str, ...]] = {
 }
 # Keep dense weights at load (prefill-heavy traffic): "1" in the environment, or `decode_dense: true`.
 DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
-# How bitmap-q4 layers multiply decoding steps (up to 8 tokens) on CPU: "int8" quantizes x per weight group
-# (scale max|x| / 127, as llama.cpp's Q8_0 does for its Q4_0 dot products) and multiplies in integers;
-# "bf16" multiplies x as it is. Prefill always multiplies x as it is. The environment wins over the config.
+# How bitmap-q4 layers multiply x on CPU, decoding steps and prefill alike: "int8" quantizes x per weight
+# group (scale max|x| / 127, as llama.cpp's Q8_0 does for its Q4_0 dot products) and multiplies in integers;
+# "bf16" multiplies x as it is. The environment wins over the config.
 ACTIVATIONS_ENV = "LEAP_SPARSE_ACTIVATIONS"
 ACTIVATIONS = ("int8", "bf16")
 

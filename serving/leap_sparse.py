@@ -116,7 +116,7 @@ class LeapSparseConfig(QuantizationConfig):
         return True
 
     def int8_activations(self, weight: Q4Weight, dtype: torch.dtype) -> bool:
-        """Whether a native CPU bitmap-q4 layer multiplies decoding steps with int8 x: asked for
+        """Whether a native CPU bitmap-q4 layer multiplies int8 x (prefill and decoding steps): asked for
         (`activations`), groups of whole 64-column pairs, a bf16 or fp32 model, and a CPU with the int8
         kernel's instructions (else the layer multiplies x as it is, and the load summary says so)."""
         if self.activations != "int8":
@@ -143,7 +143,7 @@ class LeapSparseConfig(QuantizationConfig):
     def _activations_note(self) -> str:
         if self.fmt != "bitmap-q4" or self.decode_dense or not self._native:
             return ""
-        return f", decoding steps with {self._compute_int8 or self.activations + ' x'}"
+        return f", prefill and decoding steps with {self._compute_int8 or self.activations + ' x'}"
 
 
 class LeapSparseLinearMethod(LinearMethodBase):

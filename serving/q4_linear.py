@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from sparse_formats import get_format
 
 Q4 = get_format("bitmap-q4")
-# Rows of x (tokens of a step) up to which the int8 op quantizes x (kPairMaxM in bitmap_q4_kernels.h):
-# decoding steps; a longer prefill is multiplied as it is.
+# Rows of x (tokens of a step) up to which the int8 op runs its decoding kernel (kPairMaxM in
+# bitmap_q4_kernels.h); above, its prefill kernel (an int8 GEMM). Both round x as `int8_activations` does.
 INT8_MAX_ROWS = 8
 
 

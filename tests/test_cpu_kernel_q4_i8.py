@@ -1,9 +1,11 @@
 """The native int8-x op on bitmap-q4 weights (`leap_sparse_cpu::bitmap_q4_i8_linear`, on the pair layout
-that `bitmap_q4_pack_pairs` makes at load) against plain float64 references: up to 8 rows of x, x rounded
-by `serving.q4_linear.int8_activations` (the definition) times the dequantized dense weight
-(`get_format("bitmap-q4").decode`, exact); above 8 rows, x as it is. bf16 and fp32 x, 1 and 2 threads,
-groups of 64 and 128 columns, row counts that are not a multiple of the layout's blocks of 4, densities
-0, 0.5 and 1, the last block's reads against a guard page."""
+that `bitmap_q4_pack_pairs` makes at load) against plain float64 references: x rounded by
+`serving.q4_linear.int8_activations` (the definition) times the dequantized dense weight
+(`get_format("bitmap-q4").decode`, exact), for every M: up to 8 rows of x the decoding kernel, above the
+prefill kernel (a GEMM on int8 x); the prefill's other path (`bitmap_q4_i8_prefill("tiles")`: exact decoded
+tiles, x as it is) too. bf16 and fp32 x, 1 and 2 threads, groups of 64 and 128 columns, row counts that are
+not a multiple of the layout's blocks of 4, densities 0, 0.5 and 1, the dense layout, the last block's reads
+against a guard page."""
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float32: 24}
 # 128-column groups, rows wider than 2048 columns.
 SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (6, 4096, 64)]
 DENSITIES = [0.0, 0.5, 1.0]
-MS = [*range(1, 10), 16, 41]
+MS = [*range(1, 10), 16, 41, 47, 130]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,16 @@ def op():
     if not cpu_kernel.int8_kernel_available():
         pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI")
     return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
+
+
+@pytest.fixture
+def tiles(op):
+    """Prefill (above 8 rows of x) through exact decoded tiles and ATen's GEMM, x as it is; restored after."""
+    prefill = torch.ops.leap_sparse_cpu.bitmap_q4_i8_prefill
+    before = prefill()
+    prefill("tiles")
+    yield
+    prefill(before)
 
 
 def encoded(rows: int, cols: int, density: float, group: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,25 +68,37 @@ def call(op, x, pairs, bias=None):
     return op(x, *pairs.tensors().values(), pairs.n_rows, pairs.n_cols, bias)
 
 
-def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group: int) -> float:
+def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group: int,
+           tiles: bool = False) -> float:
     """How far the worst output lies outside its bound (<= 0: all inside). The reference multiplies x as
-    the op does (rounded to int8 per group up to 8 rows, as it is above) with the exact weight in float64;
-    per output the fp32 sums and scale products may err by cols * 2^-23 * sum |x w|, bf16 tiles (bf16 x
-    above 8 rows) by 2^-9 * sum |x w| more, then the rounding to the output dtype by 2^-bits of the value."""
+    the op does (rounded to int8 per group; with `tiles` x as it is above 8 rows) with the exact weight in
+    float64. Bounds on the fp32 arithmetic, then the rounding to the output dtype by 2^-bits of the value:
+    - up to 8 rows (the decoding kernel: per 4 columns an exact integer dot, scaled and summed in fp32 lanes,
+      then across lanes): cols * 2^-23 * sum |x w|;
+    - above (the prefill kernel): per group g an exact integer dot d_g times s_g = fp32(0.5 s_w * s_x) (one
+      rounding, 2^-24 relative), the G terms summed by fused multiply-adds in group order (G roundings), then
+      the bias added (one more): (G + 2) * 2^-24 * (sum |x w| + |b|);
+    - with `tiles`: fp32 tiles and GEMM, cols * 2^-23 * sum |x w|; bf16 tiles (bf16 x) 2^-9 * sum |x w|
+      more."""
     rows_of_x = x.reshape(-1, x.shape[-1]).shape[0]
-    multiplied = (int8_activations(x, group) if rows_of_x <= INT8_MAX_ROWS else x.float()).double()
-    expected = multiplied @ dense.double().T + (0 if bias is None else bias.double())
+    as_is = tiles and rows_of_x > INT8_MAX_ROWS
+    multiplied = (x.float() if as_is else int8_activations(x, group)).double()
+    b = 0 if bias is None else bias.double()
+    expected = multiplied @ dense.double().T + b
     magnitude = multiplied.abs() @ dense.double().abs().T
-    summing = dense.shape[1] * 2.0**-23 * magnitude
-    if x.dtype == torch.bfloat16 and rows_of_x > INT8_MAX_ROWS:
+    if rows_of_x > INT8_MAX_ROWS and not tiles:
+        summing = (dense.shape[1] // group + 2) * 2.0**-24 * (magnitude + abs(b))
+    else:
+        summing = dense.shape[1] * 2.0**-23 * magnitude
+    if x.dtype == torch.bfloat16 and as_is:
         summing = summing + 2.0**-9 * magnitude
     bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + 1e-30
     return ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
 
 
-def test_the_pair_layout_decodes_to_the_stored_weight_exactly(op, one_thread):
-    """Above 8 rows of x the op multiplies exact fp32 tiles decoded from the pair layout: x = I gives W^T
-    bit for bit, so the layout holds every code and scale of every row, blocks padded or not."""
+def test_the_pair_layout_decodes_to_the_stored_weight_exactly(op, one_thread, tiles):
+    """Above 8 rows of x the tiles path multiplies exact fp32 tiles decoded from the pair layout: x = I gives
+    W^T bit for bit, so the layout holds every code and scale of every row, blocks padded or not."""
     for rows, cols, group in SHAPES[:5]:
         for density in DENSITIES:
             t = encoded(rows, cols, density, group, seed=rows)
@@ -82,7 +106,7 @@ def test_the_pair_layout_decodes_to_the_stored_weight_exactly(op, one_thread):
             assert torch.equal(got.T, FMT.decode(t)), (rows, cols, group, density)
 
 
-def test_bf16_tiles_are_the_stored_weight_rounded_once(op, one_thread):
+def test_bf16_tiles_are_the_stored_weight_rounded_once(op, one_thread, tiles):
     """With bf16 x above 8 rows the op decodes bf16 tiles directly: x = I gives W^T rounded once to bf16 (as
     ATen rounds the exact fp32 tile), bit for bit, scales from 2^-20 to 2^10, blocks padded or not, the dense
     layout, rows over several tiles."""
@@ -93,6 +117,23 @@ def test_bf16_tiles_are_the_stored_weight_rounded_once(op, one_thread):
             t = FMT.encode(weight, torch.rand(rows, cols, generator=gen) < density, group_size=group)
             got = call(op, torch.eye(cols).to(torch.bfloat16), pairs_of(t))
             assert torch.equal(got.T, FMT.decode(t).to(torch.bfloat16)), (rows, cols, group, density)
+
+
+def test_prefill_gives_the_stored_weight_times_127_exactly(op, one_thread):
+    """Above 8 rows the prefill kernel rounds x to int8: x = 127 I rounds to itself (scale 1, q = 127;
+    other groups 0) and every product 0.5 s_w * 127 * (2 code - 15) is exact in fp32, so the op gives 127 W^T
+    bit for bit (fp32 x; bf16 x: rounded once to bf16), through every code and scale of the pair layout and
+    its panels of 32 rows, blocks padded or not, the dense layout."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, cols, group in [*SHAPES[:5], (16, 192, 64), (300, 4096, 64), (40, 640, 320)]:
+        weight = torch.randn(rows, cols, generator=gen) * torch.logspace(-6, 3, rows).unsqueeze(1)
+        for density in DENSITIES:
+            t = FMT.encode(weight, torch.rand(rows, cols, generator=gen) < density, group_size=group)
+            pairs, expected = pairs_of(t), FMT.decode(t).T * 127
+            x = torch.eye(cols) * 127
+            assert torch.equal(call(op, x, pairs), expected), (rows, cols, group, density)
+            got = call(op, x.to(torch.bfloat16), pairs)
+            assert torch.equal(got, expected.to(torch.bfloat16)), (rows, cols, group, density)
 
 
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
@@ -111,6 +152,38 @@ def test_every_m_and_density_matches_the_reference(op, threads, xdtype, shape):
             assert excess(got, x, dense, b, group) <= 0, f"{xdtype} density {density} M {m}"
 
 
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_tiles_path_multiplies_x_as_it_is(op, threads, tiles, xdtype):
+    for rows, cols, group in SHAPES:
+        t = encoded(rows, cols, 0.5, group, seed=rows)
+        pairs, dense = pairs_of(t), FMT.decode(t)
+        bias = torch.randn(rows)
+        for m in (9, 41, 130):
+            x = torch.randn(m, cols).to(xdtype)
+            b = bias if m % 2 else None
+            assert excess(call(op, x, pairs, b), x, dense, b, group, tiles=True) <= 0, (rows, cols, m)
+
+
+def test_prefill_agrees_with_the_decoding_kernel(op, threads):
+    """The same rows of x, 8 at a time (the decoding kernel) and all at once (the prefill kernel): both
+    compute sum over groups of fp32(0.5 s_w s_x) * (the exact integer dot), in other orders, so they differ by
+    at most both kernels' summing bounds (fp32 x and y)."""
+    for rows, cols, group in SHAPES:
+        for density in DENSITIES:
+            t = encoded(rows, cols, density, group, seed=rows + 1)
+            pairs, dense = pairs_of(t), FMT.decode(t)
+            bias = torch.randn(rows)
+            for m in (9, 41, 100):
+                x = torch.randn(m, cols)
+                x[m // 2] *= 1e4  # a row with another scale
+                whole = call(op, x, pairs, bias).double()
+                eights = torch.cat([call(op, x[i : i + 8], pairs, bias) for i in range(0, m, 8)]).double()
+                q = int8_activations(x, group).double()
+                magnitude = q.abs() @ dense.double().abs().T + bias.double().abs()
+                bound = (cols * 2.0**-23 + (cols // group + 2) * 2.0**-24) * magnitude * (1 + 2.0**-22)
+                assert ((whole - eights).abs() <= bound).all(), (rows, cols, density, m)
+
+
 def test_fully_kept_weights_take_the_dense_layout(op, one_thread):
     """Every weight kept (a 4-bit lm_head) and rows a whole number of blocks: the layout has no masks and the
     kernel no expand; the results still match the reference, and the tiles decode to W exactly. One weight
@@ -121,10 +194,11 @@ def test_fully_kept_weights_take_the_dense_layout(op, one_thread):
         t = FMT.encode(weight, torch.ones(16, 192, dtype=torch.bool), group_size=group)
         pairs, dense = pairs_of(t), FMT.decode(t)
         assert pairs.masks.numel() == 0
-        assert torch.equal(call(op, torch.eye(192), pairs).T, dense)
-        for m in range(1, 10):
+        assert torch.equal(call(op, torch.eye(192) * 127, pairs).T, dense * 127)
+        for m in [*range(1, 10), 41, 100]:
             x = torch.randn(m, 192).to(torch.bfloat16)
-            assert excess(call(op, x, pairs), x, dense, None, group) <= 0, (group, m)
+            b = torch.randn(16) if m % 2 else None
+            assert excess(call(op, x, pairs, b), x, dense, b, group) <= 0, (group, m)
     mask = torch.ones(16, 192, dtype=torch.bool)
     mask[7, 100] = False
     assert pairs_of(FMT.encode(weight, mask)).masks.numel() > 0
@@ -135,7 +209,7 @@ def test_a_flipped_code_or_scale_is_seen(op, one_thread):
     t = encoded(9, 576, 0.5, 64, seed=3)
     dense = FMT.decode(t)
     flipped, rescaled, x_for = corrupted_q4(t, dense)
-    for m in (1, 4, 8, 9):
+    for m in (1, 4, 8, 9, 41):
         x = x_for(m)
         assert excess(call(op, x, pairs_of(t)), x, dense, None, 64) <= 0
         assert excess(call(op, x, pairs_of(flipped)), x, dense, None, 64) > 0, m
@@ -160,7 +234,9 @@ def test_small_integers_give_exact_results(op, one_thread):
 
 def test_rows_of_x_are_rounded_independently(op, one_thread):
     """Each row of x is quantized on its own scale and each output is the same sequence of operations
-    whatever the other rows: a row alone gives bit for bit what it gives among up to 8."""
+    whatever the other rows: a row alone gives bit for bit what it gives among up to 8; above 8 rows (the
+    prefill kernel, rows of x 6 at a time and the rest in a shorter call) a row gives the same bits in every
+    M and at every position."""
     t = encoded(45, 640, 0.5, 64)
     pairs = pairs_of(t)
     x = torch.randn(8, 640).to(torch.bfloat16)
@@ -168,12 +244,18 @@ def test_rows_of_x_are_rounded_independently(op, one_thread):
     alone = torch.cat([call(op, x[i : i + 1], pairs) for i in range(8)])
     for m in range(2, 9):
         assert torch.equal(call(op, x[:m], pairs), alone[:m]), m
+    x = torch.randn(60, 640).to(torch.bfloat16)
+    x[7] *= 1000
+    full = call(op, x, pairs)
+    for m in range(9, 60, 5):
+        assert torch.equal(call(op, x[:m], pairs), full[:m]), m
+        assert torch.equal(call(op, x[60 - m :], pairs), full[60 - m :]), m
 
 
 def test_thread_count_does_not_change_the_result(op):
     t = encoded(301, 576, 0.4)
     pairs = pairs_of(t)
-    assert_threads_agree(lambda x: call(op, x, pairs), 576, (1, 2, 5, 8, 9, 20))
+    assert_threads_agree(lambda x: call(op, x, pairs), 576, (1, 2, 5, 8, 9, 20, 41, 97))
 
 
 def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
@@ -236,10 +318,11 @@ start = guard - n
 holder = (ctypes.c_uint8 * n).from_address(start)
 codes = torch.frombuffer(holder, dtype=torch.uint8, count=n)
 codes.copy_(p.codes)
-x = torch.randn(3, 192)
-got = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, codes, p.block_offsets, p.scales, 7, 192)
-ref = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, p.masks, p.codes, p.block_offsets, p.scales, 7, 192)
-assert torch.equal(got, ref)
+for m in (3, 20):  # the decoding kernel and the prefill kernel's panels
+    x = torch.randn(m, 192)
+    op = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
+    got = op(x, p.masks, codes, p.block_offsets, p.scales, 7, 192)
+    assert torch.equal(got, op(x, p.masks, p.codes, p.block_offsets, p.scales, 7, 192))
 print("ok")
 """
     done = run_python(code)

@@ -1,6 +1,7 @@
 """`leapctl serve` on a bitmap-q4 export: greedy text equals transformers on the dequantized run folder
 (fp32), with `--activations bf16` as it is, with int8 (the default, where the CPU runs the int8 kernel)
-when every linear's input of up to 8 tokens is rounded as `serving.q4_linear.int8_activations` defines;
+when every linear's input (prefill and decoding steps) is rounded as `serving.q4_linear.int8_activations`
+defines;
 and the 4-bit layers hold what the format says. A random Llama with head_dim 32 (vLLM's CPU
 attention refuses stories260K's 8) and an intermediate size of 256, which groups of 64 divide."""
 
@@ -54,10 +55,10 @@ def q4_checkpoints(tmp_path_factory, stories260k_dir):
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """A linear's input as the int8 op multiplies it (groups of 64 columns, up to 8 tokens)."""
-    from serving.q4_linear import INT8_MAX_ROWS, int8_activations
+    """A linear's input as the int8 op multiplies it (groups of 64 columns; decoding steps and prefill)."""
+    from serving.q4_linear import int8_activations
 
-    return int8_activations(x, 64).to(x.dtype) if x.numel() // x.shape[-1] <= INT8_MAX_ROWS else x
+    return int8_activations(x, 64).to(x.dtype)
 
 
 def test_int8_activations_serve_the_reference_greedy_text(q4_checkpoints, tmp_path):
@@ -68,7 +69,7 @@ def test_int8_activations_serve_the_reference_greedy_text(q4_checkpoints, tmp_pa
     run_dir, export_dir = q4_checkpoints
     server = start_leapctl_serve(export_dir, tmp_path / "serve.log")
     try:
-        assert "decoding steps with int8 x" in server.log()
+        assert "prefill and decoding steps with int8 x" in server.log()
         for prompt in PROMPTS:
             served = greedy_completion(server, "sparse", prompt, MAX_TOKENS)
             expected = transformers_greedy(run_dir, served["prompt_token_ids"], MAX_TOKENS, int8_rounded)
@@ -87,7 +88,7 @@ def test_greedy_text_equals_transformers_on_the_dequantized_run(q4_checkpoints, 
             assert served["token_ids"] == expected, prompt
         found = re.search(MEMORY_LINE, server.log())
         assert found, server.log()[-2000:]
-        assert "decoding steps with bf16 x" in server.log() or "native" not in server.log()
+        assert "prefill and decoding steps with bf16 x" in server.log() or "native" not in server.log()
         tensors = load_file(export_dir / "model.safetensors")
         held = sum(t.numel() * t.element_size() for key, t in tensors.items()
                    if key.endswith((".bitmap", ".codes", ".scales", ".row_offsets")))

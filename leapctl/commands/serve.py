@@ -55,9 +55,9 @@ class ServeConfig:
                                   envvar="LEAPCTL_API_KEY")
     tensor_parallel_size: int = setting(1, "Number of tensor-parallel ranks.",
                                         flag=("--tensor-parallel-size", "-tp"), min=1)
-    activations: str = setting(ACTIVATIONS[0], "How bitmap-q4 layers multiply decoding steps on CPU: "
-                                               "int8 (x quantized per group of the weight, as llama.cpp's "
-                                               "Q4_0 does; faster) or bf16 (x as it is).",
+    activations: str = setting(ACTIVATIONS[0], "How bitmap-q4 layers multiply x on CPU (prefill and "
+                                               "decoding): int8 (x quantized per group of the weight, as "
+                                               "llama.cpp's Q4_0 does; faster) or bf16 (x as it is).",
                                envvar=ACTIVATIONS_ENV)
     extra_args: list[str] = setting(help="Arguments passed on to vLLM's server.", cli=False,
                                     default_factory=list)

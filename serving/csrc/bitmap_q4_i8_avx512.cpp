@@ -85,6 +85,44 @@
 // harness; both rows by vpaddb + vpandd and vpandd, without GFNI, 0.36; three blocks per pass (12 rows; in-process
 // alternation, 30 sweeps): hot 1-3% faster, cold 1.5-3% slower; 3 or 4 prefetched lines per pass instead of 2,
 // or 0 or 4 KiB beyond the next pass's position instead of 1 KiB: within 2%, inside the noise of those runs.
+//
+// Prefill (above kPairMaxM rows of x, q4_pairs_prefill_panels_avx512), in place of exact bf16 tiles and ATen's
+// GEMM (x as it is; still there as bitmap_q4_i8_prefill("tiles")): x quantized once per call as above, W decoded
+// panel by panel (32 rows, 8 blocks) into a layout for vpdpbusd, per 4-column quad and 16 rows one 64-byte
+// register (lane i: the quad's 4 bytes of row i, level + 15; per pair and 16 rows the pair decoder's 16 registers,
+// a 16 x 16 transpose of dwords and 16 stores), and each panel multiplied with every 6 rows of x in turn: per
+// group of 64 columns 12 int32 sums (6 rows of x x 2 registers of 16 rows) take 16 vpdpbusd each, x's quad
+// broadcast, starting from -15 * the group's sum of q (made once per row of x and group), then are folded into 12
+// fp32 sums with (0.5 s_w) * s_x. The decoding kernel's terms, each group's dot whole instead of per 4 columns:
+// the same formula, another order of the fp32 sums.
+// Why: a vpdpbusd does 64 multiply-adds, a vdpbf16ps 32, and on this Zen 5 core both issue at the same rate (a
+// loop of 12 independent ones, taskset -c 0: 8.5 and 7.8-7.9 G/s with the other core quiet, 3.8-4.2 each with it
+// busy: 545 against 250 GMAC/s); oneDNN's bf16 GEMM on gate_up (16384 x 2048, M = 400) runs at about 96% of that
+// bf16 peak, so only integer dots could go further.
+// Measured (bench/prefill_q4.py --repeats 9, M = 400 bf16 rows, Llama-3.2-1B's layer, 1 thread on core 0, every
+// op interleaved call by call, medians; ratios of the layer's four projections summed), q4-i8 to the tiles / to
+// vLLM's oneDNN linear with its weight packed once / to dense F.linear: other core quiet, 50%: 59.7 ms against
+// 104.4 (0.572x) / 101.4 (0.589x) / 105.6 (0.565x); an earlier run with it busy, 50%: 121.9 against 214.1 (0.569x)
+// / 204.8 (0.595x) / 209.9 (0.581x), 60% 0.586x / 0.608x / 0.574x, the dense lm_head (49152 x 2048) 0.626x /
+// 0.652x / 0.620x. SmolLM2-135M's layer (576 columns, --repeats 15): 0.584x / 0.627x / 0.600x. gate_up: 13.4 G
+// multiply-adds in 32.7 ms (quiet), about 75% of the vpdpbusd peak. Per group and call the loop issues 192
+// vpdpbusd, 32 weight loads, 96 broadcasts of x and 36 fold instructions; the panel's decode is about 6% of the
+// time (perf, gate_up).
+// Variants, all measured against the tiles in one process (interleaved, medians of 5-9, layer sums, 1 thread):
+// - 4 rows of x x 3 registers (48-row panels): 0.571-0.624x; 6 x 2 (kept): 0.542-0.597x; both with the quad loop
+//   over the group run by a loop: GCC then rotated the int32 sums through about two dozen register copies per
+//   iteration (0.743-0.748x); `#pragma GCC unroll 16` removed them.
+// - Not kept: the K loop blocked by 512 columns (the panel's columns in L1, the fp32 sums through memory):
+//   4 x 3 0.580-0.795x, 6 x 2 0.610-0.633x (no gain: the panel streams from L2 fast enough); x's quad as
+//   vpdpbusd's broadcast memory operand (inline asm, no broadcast instructions): 0.674-0.735x (GCC schedules
+//   around the asm worse).
+// - The panel's decode, first with its scale table made by one scalar fp16 conversion per row and group and no
+//   prefetch: 11% of the time (perf, gate_up); the table 16 conversions at a time and each block's codes and masks
+//   prefetched 512 bytes ahead: 6% (layer 0.577 -> 0.542x, one run each).
+// By M (same command, --tokens M, 50%, medians of 7): see docs/kernels.md.
+// The panel decoder on the shared-byte pair layout (merged after both): `bench/prefill_q4.py --repeats 5
+// --sparsities 0.5 --ops dense onednn q4-i8 q4-i8t`, the other core quiet: layer 60.9 ms, 0.594x oneDNN, 0.574x
+// the tiles, 0.571x dense.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -490,6 +528,234 @@ void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_be
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(lo, table));
     _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(hi, table));
   });
+}
+
+
+// ---- prefill with int8 x ----
+
+void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts) {
+  const __m512i fifteen = _mm512_set1_epi8(15);
+  const int64_t block = cols / q8.groups;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t g = 0; g < q8.groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t c = g * block; c < (g + 1) * block; c += 64) {
+        sum = _mm512_dpbusd_epi32(sum, fifteen, _mm512_loadu_si512(q8.values + i * cols + c));
+      }
+      starts[i * q8.groups + g] = -_mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
+namespace {
+
+// out[j] = dword j of each of r[0..15] (lane i from r[i]): a 16 x 16 transpose of dwords.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // u[4a + c], 128-bit lane L: rows 4a .. 4a + 3 at dword 4L + c.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88),
+                  w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
+constexpr int kPanelNB = kPrefillPanelRows / 16;  // registers of 16 rows per panel
+// Software prefetch of each block's codes and masks this many bytes ahead while a panel is decoded.
+constexpr int64_t kPanelPrefetch = 512;
+
+// Panel `panel`'s rows (16 NB of them) into w: for 4-column quad t of a row and register nb of the panel (rows
+// 16 nb .. 16 nb + 15), 64 bytes at w + (t * NB + nb) * 64, lane i the 4 bytes of row 16 nb + i (level + 15, as
+// the pair decoder gives them); rows past the last block 15s. sw[(g * NB + nb) * 16 + i]: 0.5 * the row's scale
+// of group g (0 for padded rows).
+template <int NB, bool Dense>
+void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) {
+  constexpr int BPP = 16 * NB / kPairRows;
+  const PairDecoder dec;
+  const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows, b0 = panel * BPP;
+  const int n = static_cast<int>(std::min<int64_t>(BPP, blocks - b0));
+  const int64_t pairs = p.cols / 64, groups = p.groups;
+  const uint8_t* c[BPP];
+  const uint64_t* masks[BPP];
+  for (int i = 0; i < n; ++i) {
+    c[i] = p.codes + p.block_offsets[b0 + i];
+    masks[i] = Dense ? nullptr : p.masks + (b0 + i) * pairs * kPairRows;
+  }
+  for (int64_t q = 0; q < pairs; ++q) {
+    if constexpr (kPanelPrefetch > 0) {
+      for (int i = 0; i < n; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(c[i]) + kPanelPrefetch, _MM_HINT_T0);
+        if constexpr (!Dense) _mm_prefetch(reinterpret_cast<const char*>(masks[i] + q * kPairRows) + kPanelPrefetch, _MM_HINT_T0);
+      }
+    }
+    for (int nb = 0; nb < NB; ++nb) {
+      __m512i r[16];
+      for (int i = 0; i < 4; ++i) {
+        const int blk = 4 * nb + i;
+        if (blk >= n) {
+          for (int rr = 0; rr < kPairRows; ++rr) r[4 * i + rr] = dec.fifteen;
+          continue;
+        }
+        const uint8_t* at[2];
+        PairDecoder::starts<Dense>(c[blk], at);
+        for (int rp = 0; rp < kPairRows / 2; ++rp) dec.rows<Dense>(at[rp], masks[blk], q, rp, &r[4 * i + 2 * rp]);
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(w + ((16 * q + j) * NB + nb) * 64, r[j]);
+    }
+  }
+  // Block blk's scales of groups g .. g + 3 are 16 consecutive fp16 ([groups, 4] per block).
+  const __m512 half = _mm512_set1_ps(0.5f);
+  for (int blk = 0; blk < BPP; ++blk) {
+    const uint16_t* from = p.scales + (b0 + blk) * groups * kPairRows;
+    for (int64_t g = 0; g < groups; g += 4) {
+      const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (4 * (groups - g))) - 1);
+      const __m512 v = blk < n ? _mm512_mul_ps(half, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, from + g * kPairRows)))
+                               : _mm512_setzero_ps();
+      float* to = sw + g * 16 * NB + kPairRows * blk;
+      _mm_storeu_ps(to, _mm512_castps512_ps128(v));
+      if (g + 1 < groups) _mm_storeu_ps(to + 16 * NB, _mm512_extractf32x4_ps(v, 1));
+      if (g + 2 < groups) _mm_storeu_ps(to + 32 * NB, _mm512_extractf32x4_ps(v, 2));
+      if (g + 3 < groups) _mm_storeu_ps(to + 48 * NB, _mm512_extractf32x4_ps(v, 3));
+    }
+  }
+}
+
+// y[m0 .. m0 + MR, row0 .. row0 + 16 NB) from a decoded panel: per group, each (x row, register) pair's integer
+// dot over the group's quads starts at -15 * the group's sum of q and adds (level + 15) * q with vpdpbusd (x's 4
+// bytes of the quad broadcast), then is folded into the fp32 sum with (0.5 s_w) * s_x, as the decoding kernel
+// folds its terms. GQ: quads per group (0: read at run time); the quad loop is unrolled (without it GCC rotated
+// the accumulators through register copies, two dozen per iteration: 0.61 against 0.58 of the tiles' time).
+template <int NB, int MR, int GQ>
+void prefill_micro(const Q4PairProblem& p, const int32_t* starts, const uint8_t* w, const float* sw, int64_t m0,
+                   int64_t row0) {
+  const int64_t cols = p.cols, groups = p.groups, gq = GQ > 0 ? GQ : 16 * p.group_pairs;
+  const int8_t* x = p.x_values + m0 * cols;
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int nb = 0; nb < NB; ++nb) acc[m][nb] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[MR][NB];
+    for (int m = 0; m < MR; ++m) {
+      const __m512i s = _mm512_set1_epi32(starts[(m0 + m) * groups + g]);
+      for (int nb = 0; nb < NB; ++nb) dot[m][nb] = s;
+    }
+    const uint8_t* wg = w + g * gq * NB * 64;
+    const int8_t* xg = x + g * gq * 4;
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < gq; ++t) {
+      __m512i wv[NB];
+      for (int nb = 0; nb < NB; ++nb) wv[nb] = _mm512_loadu_si512(wg + (t * NB + nb) * 64);
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xg + m * cols + 4 * t, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        for (int nb = 0; nb < NB; ++nb) dot[m][nb] = _mm512_dpbusd_epi32(dot[m][nb], wv[nb], xb);
+      }
+    }
+    for (int nb = 0; nb < NB; ++nb) {
+      const __m512 s = _mm512_loadu_ps(sw + (g * NB + nb) * 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(p.x_scales[(m0 + m) * groups + g]));
+        acc[m][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][nb]), scale, acc[m][nb]);
+      }
+    }
+  }
+  for (int nb = 0; nb < NB; ++nb) {
+    const int64_t first = row0 + 16 * nb;
+    if (first >= p.rows) break;
+    const __mmask16 keep = p.rows - first >= 16 ? 0xffff : static_cast<__mmask16>((1u << (p.rows - first)) - 1);
+    const __m512 bias = p.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep, p.bias + first);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = _mm512_add_ps(acc[m][nb], bias);
+      const int64_t at = (m0 + m) * p.y_stride + first;
+      if (p.dtype == DType::BF16) {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.y) + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(p.y) + at, keep, v);
+      }
+    }
+  }
+}
+
+constexpr int kPrefillMR = 6;  // rows of x per micro-kernel call: 12 int32 and 12 fp32 accumulators
+static_assert(kPrefillPanelRows == 16 * kPanelNB);
+
+// Panels panel_begin..panel_end: each decoded once (into buffers of this thread), then multiplied with every
+// kPrefillMR rows of x in turn.
+template <int GQ, bool Dense>
+void prefill_panels(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin, int64_t panel_end) {
+  constexpr int NB = kPanelNB, MR = kPrefillMR;
+  using Fn = void (*)(const Q4PairProblem&, const int32_t*, const uint8_t*, const float*, int64_t, int64_t);
+  static constexpr Fn kTails[MR - 1] = {&prefill_micro<NB, 1, GQ>, &prefill_micro<NB, 2, GQ>,
+                                        &prefill_micro<NB, 3, GQ>, &prefill_micro<NB, 4, GQ>,
+                                        &prefill_micro<NB, 5, GQ>};
+  uint8_t* w = static_cast<uint8_t*>(std::aligned_alloc(64, kPrefillPanelRows * p.cols));
+  float* sw = static_cast<float*>(std::aligned_alloc(64, p.groups * kPrefillPanelRows * 4));
+  constexpr int64_t BPP = kPrefillPanelRows / kPairRows;
+  const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows, calls = (p.m + MR - 1) / MR;
+  for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+    decode_panel<NB, Dense>(p, panel, w, sw);
+    const int64_t row0 = panel * kPrefillPanelRows;
+    // The next panel's codes and masks (each a contiguous range: its blocks follow each other), fetched into L2
+    // a share at a time between this panel's micro-kernel calls (the last block's codes: a line past its start;
+    // a prefetch past the tensor's end is harmless). Cold weights (qkv 3072 x 2048 rotated through 300 MB, 1
+    // thread, processes alternated, 3 each): M = 9 0.47-0.48 -> 0.43-0.44 ms, 16 0.57-0.58 -> 0.52, 64 1.25-1.28
+    // -> 1.13-1.15, 400 6.05-6.32 -> 5.97-6.05.
+    const char *code_at = nullptr, *mask_at = nullptr;
+    int64_t code_step = 0, mask_step = 0;
+    if (panel + 1 < panel_end) {
+      const int64_t b = (panel + 1) * BPP, e = std::min(blocks, b + BPP);
+      code_at = reinterpret_cast<const char*>(p.codes + p.block_offsets[b]);
+      const int64_t code_bytes = (e < blocks ? p.block_offsets[e] : p.block_offsets[blocks - 1] + 64) -
+                                 p.block_offsets[b];
+      code_step = (code_bytes / 64 + calls) / calls;
+      if (!Dense) {
+        mask_at = reinterpret_cast<const char*>(p.masks + b * (p.cols / 64) * kPairRows);
+        mask_step = ((e - b) * (p.cols / 64) * kPairRows * 8 / 64 + calls) / calls;
+      }
+    }
+    const auto fetch = [&]() {
+      for (int64_t i = 0; i < code_step; ++i, code_at += 64) _mm_prefetch(code_at, _MM_HINT_T1);
+      for (int64_t i = 0; i < mask_step; ++i, mask_at += 64) _mm_prefetch(mask_at, _MM_HINT_T1);
+    };
+    int64_t m0 = 0;
+    for (; m0 + MR <= p.m; m0 += MR) {
+      fetch();
+      prefill_micro<NB, MR, GQ>(p, starts, w, sw, m0, row0);
+    }
+    if (m0 < p.m) {
+      fetch();
+      kTails[p.m - m0 - 1](p, starts, w, sw, m0, row0);
+    }
+  }
+  std::free(sw);
+  std::free(w);
+}
+
+}  // namespace
+
+void q4_pairs_prefill_panels_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin,
+                                    int64_t panel_end) {
+  const bool dense = p.masks == nullptr;
+  if (p.group_pairs == 1) return dense ? prefill_panels<16, true>(p, starts, panel_begin, panel_end)
+                                       : prefill_panels<16, false>(p, starts, panel_begin, panel_end);
+  dense ? prefill_panels<0, true>(p, starts, panel_begin, panel_end)
+        : prefill_panels<0, false>(p, starts, panel_begin, panel_end);
 }
 
 }  // namespace leap_sparse

@@ -4,10 +4,14 @@
 //       -> (masks, codes, block_offsets, scales): the pair layout (bitmap_q4_kernels.h) of a checked bitmap-q4
 //          weight, made once at load
 //   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None)
-//       -> y = x W^T + b from the pair layout: up to kPairMaxM rows of x are quantized to int8 per row and
-//          weight group (scale max|x| / 127) and multiplied in integers; more rows (prefill) multiply x as
-//          it is with exact decoded tiles of W (for bf16 x decoded straight to bf16: each exact value rounded
-//          once), as bitmap_q4_linear does.
+//       -> y = x W^T + b from the pair layout: x is quantized to int8 per row and weight group (scale max|x| /
+//          127) and multiplied in integers: up to kPairMaxM rows (decoding steps) straight from the layout,
+//          more (prefill) by a GEMM on panels of W decoded for it (bitmap_q4_i8_avx512.cpp's header: 0.57x the
+//          time of the tiles below at 400 rows of Llama-3.2-1B's layer, 0.60x vLLM's oneDNN bf16 linear).
+//   leap_sparse_cpu::bitmap_q4_i8_prefill(mode="") -> "int8" (the default) or "tiles": how the op multiplies
+//          more than kPairMaxM rows; "tiles" multiplies x as it is with exact decoded tiles of W and ATen's GEMM
+//          (for bf16 x decoded straight to bf16: each exact value rounded once), as bitmap_q4_linear does. Set
+//          for the whole process (benchmarks and tests); "" only asks.
 // A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -29,6 +34,17 @@
 
 namespace leap_sparse {
 namespace {
+
+// Prefill (above kPairMaxM rows of x): int8 x (true) or exact decoded tiles and ATen's GEMM, x as it is.
+// Measured at M = 400 (bench/prefill_q4.py): the int8 kernel 0.57-0.59x the tiles' time per layer.
+std::atomic<bool> g_prefill_int8{true};
+
+std::string prefill_op(std::string mode) {
+  TORCH_CHECK(mode.empty() || mode == "int8" || mode == "tiles",
+              "leap_sparse_cpu::bitmap_q4_i8_prefill: use \"int8\" or \"tiles\", not ", mode);
+  if (!mode.empty()) g_prefill_int8.store(mode == "int8");
+  return g_prefill_int8.load() ? "int8" : "tiles";
+}
 
 bool i8_available() {
   static const auto isa_op =
@@ -207,6 +223,23 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     return y;
   }
 
+  if (g_prefill_int8.load()) {
+    // Prefill with int8 x: x quantized once, W decoded panel by panel into the int8 kernel's layout.
+    const at::Tensor values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
+    const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
+    const at::Tensor starts = at::empty({m, p.groups}, x.options().dtype(at::kInt));
+    const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
+    quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
+    q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>());
+    p.x_values = q8.values;
+    p.x_scales = q8.scales;
+    const int64_t panels = (rows + kPrefillPanelRows - 1) / kPrefillPanelRows;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      q4_pairs_prefill_panels_avx512(p, starts.data_ptr<int32_t>(), begin, end);
+    });
+    return y;
+  }
+
   // Prefill: x as it is against exact tiles (decoded straight to bf16 for bf16 x), whole blocks of rows per tile.
   tiled_gemm(x2, bias, rows, kPairRows, y, true, [&](int64_t first, int64_t last, void* tile, bool bf16) {
     at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
@@ -226,6 +259,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
 
 TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
+  m.def("bitmap_q4_i8_prefill(str mode=\"\") -> str", &leap_sparse::prefill_op);
   m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols) -> "
         "(Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales)");
   m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "

@@ -74,7 +74,11 @@ constexpr int kPairRows = 4;
 constexpr int64_t kPairPad = 64;  // a pair of rows' codes are read with one 64-byte load
 constexpr int64_t kPairHeader = 2;
 constexpr int kPairChunkM = 4;    // rows of x multiplied per pass over a block
-constexpr int64_t kPairMaxM = 8;  // rows of x the int8 kernel takes; above, decoded tiles and a GEMM
+// Rows of x the int8 decoding kernel takes; above, the prefill kernel (q4_pairs_prefill_panels_avx512). Measured
+// (qkv 3072 x 2048, 50%, 1 thread): with hot weights the prefill kernel is the faster from M = 6 (M = 8: 0.29-0.31
+// against 0.39-0.40 ms), but with cold ones (rotated through 300 MB, as a model's layers are when served) it is the
+// slower up to 8 (M = 8: 0.48 against 0.42-0.44 ms; M = 1: 0.38-0.39 against 0.10).
+constexpr int64_t kPairMaxM = 8;
 
 // x quantized per call, per row of x and weight group: x = scale * q, |q| <= 127.
 struct Q8Rows {
@@ -83,7 +87,7 @@ struct Q8Rows {
   int64_t groups;
 };
 
-struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G; m <= kPairMaxM
+struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G
   const uint64_t* masks;          // [blocks, cols / 64, kPairRows], or nullptr: the dense layout
   const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
   const int64_t* block_offsets;   // [blocks]
@@ -104,6 +108,19 @@ void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, in
 // out[(row - kPairRows * block_begin) * out_stride + c].
 void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
                                    int64_t out_stride);
+
+// ---- prefill with int8 x (bitmap_q4_i8_avx512.cpp) ----
+//
+// Above kPairMaxM rows of x: x quantized once per call as for decoding (Q8Rows), W decoded panel by panel
+// (kPrefillPanelRows rows) into a u8 layout for vpdpbusd (per 4-column quad and 16 rows one 64-byte register:
+// lane i = the row's 4 bytes, level + 15) and multiplied by a register-blocked int8 kernel.
+constexpr int64_t kPrefillPanelRows = 32;
+// -15 * the sum of q over each group of x's rows: starts[i * groups + g], where each group's integer dot begins.
+void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts);
+// y[:, rows of panels panel_begin..panel_end] for all p.m rows of x (p.x_values, p.x_scales set; `starts` as
+// q8_group_starts_avx512 makes them).
+void q4_pairs_prefill_panels_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin,
+                                    int64_t panel_end);
 
 // ---- bf16 tiles for prefill with bf16 x (at the ends of bitmap_q4_avx512.cpp and bitmap_q4_i8_avx512.cpp) ----
 //

@@ -126,6 +126,8 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
             us = time_ops(ops, args.repeats)
             dense_op = min((name for name in us if name in ("linear", "onednn")), key=us.get)
             weight_gbs = q4_bytes / (us["q4"] * 1e-6) / 1e9
+            # the int8 op streams the pair layout (a few % larger than the stored codes): its own bytes
+            int8_gbs = nbytes(pairs[0]) / (us["q4-int8"] * 1e-6) / 1e9 if "q4-int8" in us else None
             rows.append(
                 {
                     "model": model,
@@ -149,10 +151,14 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
                     "q4_over_dense": round(us[dense_op] / us["q4"], 3),
                     "weight_gbs": round(weight_gbs, 2),
                     "bandwidth_fraction": round(weight_gbs * 1e9 / bandwidth[threads], 3),
+                    "int8_weight_gbs": None if int8_gbs is None else round(int8_gbs, 2),
+                    "int8_bandwidth_fraction": None if int8_gbs is None
+                    else round(int8_gbs * 1e9 / bandwidth[threads], 3),
                 }
             )
             r = rows[-1]
-            int8 = f", q4-int8 {us['q4-int8']:8.1f} us" if "q4-int8" in us else ""
+            int8 = (f", q4-int8 {us['q4-int8']:8.1f} us ({int8_gbs:5.1f} GB/s, "
+                    f"{r['int8_bandwidth_fraction']:.2f})" if "q4-int8" in us else "")
             print(
                 f"    {threads} thr M={m:2d}{int8}: q4 {us['q4']:8.1f} us ({weight_gbs:5.1f} GB/s, "
                 f"{r['bandwidth_fraction']:.2f}), bitmap {us['bitmap']:8.1f}, dense {us[dense_op]:8.1f} "
@@ -191,7 +197,8 @@ def markdown_header(meta: dict) -> list[str]:
         f"(other engineers' tests share the machine). Read bandwidth (torch.sum over 1 GiB): {bw}.",
         "",
         "weight GB/s: bytes of bitmap + codes + scales + row offsets per q4 call / its time; fraction: "
-        "that / the read bandwidth with the same thread count.",
+        "that / the read bandwidth with the same thread count. q4-int8 GB/s: the bytes of the pair layout "
+        "it streams (masks, codes with their pass headers, scales) / its time.",
         "",
     ]
 
@@ -204,8 +211,9 @@ def markdown_table(subset: list[dict], threads: int, tokens: list[int]) -> list[
         "",
         "| model | layer | [n, k] | sparsity | G | q4 B/weight | "
         + " | ".join(f"M={m} q4-int8 / q4 / bitmap / dense" for m in tokens)
-        + " | q4 over bitmap, M=1 | q4 over dense, M=1 | weight GB/s, M=1 | fraction, M=1 |",
-        "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(tokens) + " --- | --- | --- | --- |",
+        + " | q4 over bitmap, M=1 | q4 over dense, M=1 | weight GB/s, M=1 | fraction, M=1 "
+        "| q4-int8 GB/s, M=1 | q4-int8 fraction, M=1 |",
+        "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(tokens) + " --- |" * 6,
     ]
     keys = []
     for r in subset:
@@ -232,10 +240,12 @@ def markdown_table(subset: list[dict], threads: int, tokens: list[int]) -> list[
             (
                 f"{first['q4_over_bitmap']:.2f} | {first['q4_over_dense']:.2f} | "
                 f"{first['weight_gbs']:.1f} | "
-                f"{first['bandwidth_fraction']:.2f}"
+                f"{first['bandwidth_fraction']:.2f} | "
+                + (f"{first['int8_weight_gbs']:.1f} | {first['int8_bandwidth_fraction']:.2f}"
+                   if first.get("int8_weight_gbs") else " | ")
             )
             if first
-            else " | | | "
+            else " | | | | | "
         )
         lines.append(
             f"| {model} | {layer} | {list(shape)} | {sparsity:.0%} | {group} | "

@@ -6,8 +6,9 @@ step (`serving.q4_linear.int8_activations`, per group of the weight's 64 columns
         [--group-size 64] [--out bench/results/quality_int8]
 
 Every token's row of x is rounded on its own scale, so scoring whole windows with the rounding on every
-position gives what token-by-token decoding would see. lm_head is rounded too only where the run stores it
-in 4 bits (`quantize --lm-head`): elsewhere serving keeps it dense. Writes OUT.json and OUT.md."""
+position gives what token-by-token decoding would see. lm_head's input is rounded as serving rounds it: per
+group in 4 bits (`quantize --lm-head-bits 4`), per row in 8 bits (`serving.int8_linear`, quantize's default),
+not at all where it stays 16-bit. Writes OUT.json and OUT.md."""
 
 import argparse
 import json
@@ -22,26 +23,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from leapctl.eval.perplexity import ids_perplexity, text_ids  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
+from leapctl.quantize import lm_head_bits  # noqa: E402
 from leapctl.runs import REPORT_FILE  # noqa: E402
+from serving.int8_linear import int8_rows_activations  # noqa: E402
 from serving.q4_linear import int8_activations  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def rounded_linears(model: torch.nn.Module, group_size: int, lm_head: bool) -> list:
-    """Forward pre-hooks rounding the input of every nn.Linear (lm_head only if `lm_head`)."""
+def rounded_linears(model: torch.nn.Module, group_size: int, head_bits: int) -> list:
+    """Forward pre-hooks rounding the input of every nn.Linear as serving does (lm_head by its bits)."""
     hooks = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and (lm_head or not name.endswith("lm_head")):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if not name.endswith("lm_head") or head_bits == 4:
             hooks.append(module.register_forward_pre_hook(
                 lambda _m, args: (int8_activations(args[0], group_size).to(args[0].dtype),)))
+        elif head_bits == 8:
+            hooks.append(module.register_forward_pre_hook(
+                lambda _m, args: (int8_rows_activations(args[0]).to(args[0].dtype),)))
     return hooks
 
 
-def lm_head_in_4_bits(run: Path) -> bool:
+def run_head_bits(run: Path) -> int:
     report = run / REPORT_FILE
     entry = json.loads(report.read_text()).get("quantization") or {} if report.is_file() else {}
-    return bool(entry.get("lm_head"))
+    return lm_head_bits(entry)
 
 
 def main() -> None:
@@ -57,13 +65,13 @@ def main() -> None:
     for run in args.runs:
         model, tokenizer = load_model(str(run))
         model.eval()
-        row = {"run": str(run), "lm_head_rounded": lm_head_in_4_bits(run)}
+        row = {"run": str(run), "lm_head_bits": run_head_bits(run)}
         for text in args.ppl:
             ids = text_ids(tokenizer, text.read_text())
             if args.windows:
                 ids = ids[: args.windows * args.seq_len + 1]
             plain = ids_perplexity(model, ids, args.seq_len)
-            hooks = rounded_linears(model, args.group_size, row["lm_head_rounded"])
+            hooks = rounded_linears(model, args.group_size, row["lm_head_bits"])
             try:
                 rounded = ids_perplexity(model, ids, args.seq_len)
             finally:

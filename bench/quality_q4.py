@@ -116,8 +116,10 @@ def main() -> None:
     dense = work / "dense-run"
     if not (dense / "report.json").is_file():
         dense_run(args.model, args.exclude, dense)
-    q = ["--group-size", str(args.group_size), "--tune-steps", "0", "--overwrite"]
-    tuned = ["--group-size", str(args.group_size), "--overwrite"]  # quantize's default: scale tuning on
+    # The decoder's 4-bit cost alone (lm_head as it is), and with quantize's defaults (scale tuning, lm_head
+    # in 8 bits)
+    q = ["--group-size", str(args.group_size), "--tune-steps", "0", "--lm-head-bits", "16", "--overwrite"]
+    tuned = ["--group-size", str(args.group_size), "--overwrite"]
     make("dense + rtn", "quantize", str(dense), "--method", "rtn", *q)
     make("dense + gptq", "quantize", str(dense), "--method", "gptq", *common, *q)
 
@@ -129,8 +131,8 @@ def main() -> None:
         make(f"{source} + gptq", "quantize", str(work / source), "--method", "gptq", *common, *q)
     make("leap + gptq + tuned scales", "quantize", str(work / "leap"), "--method", "gptq", *common, *tuned)
     if args.lm_head:
-        make("leap + gptq, lm_head 4-bit", "quantize", str(work / "leap"), "--method", "gptq", "--lm-head",
-             *common, *q)
+        make("leap + gptq, lm_head 4-bit", "quantize", str(work / "leap"), "--method", "gptq", *common, *q,
+             "--lm-head-bits", "4")
     if not args.no_learn_bits:
         make("learn --bits 4", "learn", args.model, *learn, "--bits", "4", "--group-size",
              str(args.group_size))

@@ -19,6 +19,9 @@ SERVABLE_FORMATS: dict[str, tuple[str, ...]] = {
     "csr": ("shape", "values", "col_indices", "row_ptr"),
     "bitmap-q4": ("shape", "bitmap", "codes", "scales", "row_offsets"),
 }
+# Formats lm_head may have apart from the checkpoint's (`lm_head_format` in the config; bitmap-q4 exports
+# of `quantize --lm-head-bits 8` runs), with the tensors `lm_head.<name>` it stores.
+LM_HEAD_FORMATS: dict[str, tuple[str, ...]] = {"int8-rows": ("shape", "qweight", "scales")}
 # Keep dense weights at load (prefill-heavy traffic): "1" in the environment, or `decode_dense: true`.
 DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
 # How bitmap-q4 layers multiply x on CPU, decoding steps and prefill alike: "int8" quantizes x per weight
@@ -37,6 +40,12 @@ class LeapSparseSettings:
     ignore: tuple[str, ...] = ()
     decode_dense: bool = False
     activations: str = ACTIVATIONS[0]
+    lm_head_format: str = ""  # a key of LM_HEAD_FORMATS, or "" when lm_head is dense or in `fmt`
+
+    def layer_tensors(self, lm_head: bool) -> tuple[str, tuple[str, ...]]:
+        """(format, stored tensor names) of one layer: lm_head's own format where it has one."""
+        fmt = self.lm_head_format if lm_head and self.lm_head_format else self.fmt
+        return fmt, {**SERVABLE_FORMATS, **LM_HEAD_FORMATS}[fmt]
 
     def to_config(self) -> dict:
         """The `quantization_config` entry of config.json."""
@@ -46,6 +55,8 @@ class LeapSparseSettings:
             config["decode_dense"] = True
         if self.activations != ACTIVATIONS[0]:
             config["activations"] = self.activations
+        if self.lm_head_format:
+            config["lm_head_format"] = self.lm_head_format
         return config
 
     @classmethod
@@ -60,7 +71,8 @@ class LeapSparseSettings:
         if activations not in ACTIVATIONS:
             raise ValueError(f"{QUANT_METHOD}: activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
         return cls(fmt=config["format"], sparsity=float(config.get("sparsity", 0.0)),
-                   ignore=tuple(config.get("ignore", ())), decode_dense=decode_dense, activations=activations)
+                   ignore=tuple(config.get("ignore", ())), decode_dense=decode_dense, activations=activations,
+                   lm_head_format=config.get("lm_head_format", ""))
 
 
 def serving_problem(quantization_config: dict | None) -> str | None:
@@ -73,4 +85,7 @@ def serving_problem(quantization_config: dict | None) -> str | None:
     if fmt not in SERVABLE_FORMATS:
         return (f"format {fmt!r} is not servable; the plugin serves {', '.join(SERVABLE_FORMATS)} "
                 f"(export with --format bitmap)")
+    head = quantization_config.get("lm_head_format", "")
+    if head and head not in LM_HEAD_FORMATS:
+        return f"lm_head format {head!r} is not servable; the plugin serves {', '.join(LM_HEAD_FORMATS)}"
     return None

@@ -10,7 +10,8 @@ gate/up shard); `process_weights_after_loading` then cuts this rank's slice, sta
 replaces the placeholders with the runtime tensors. Merged layers arrive through the model's
 stacked-params mapping: `q_proj.bitmap` is loaded into `qkv_proj.bitmap` with shard id "q".
 
-`bitmap-q4` layers (4-bit codes of the kept weights and fp16 scales, `serving.q4_linear`) load the same way.
+`bitmap-q4` layers (4-bit codes of the kept weights and fp16 scales, `serving.q4_linear`) load the same way,
+and so does an 8-bit lm_head (`int8-rows`, `serving.int8_linear`; the config's `lm_head_format`).
 
 Compute: on CPU the native kernel (`serving.cpu_kernel`, built ahead by `make` or once when the model
 loads) reads the stored layout directly; where it cannot be built, one warning line says so and the layers
@@ -37,8 +38,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
-from serving.contract import QUANT_METHOD, SERVABLE_FORMATS, LeapSparseSettings
+from serving.contract import QUANT_METHOD, LeapSparseSettings
 from serving.huge_pages import huge_page_copy
+from serving.int8_linear import Int8Weight, OneDNNInt8, int8_rows_linear, onednn_int8_available
 from serving.q4_linear import Q4Weight, bitmap_q4_linear
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
@@ -47,9 +49,9 @@ logger = init_logger(f"vllm.plugins.{__name__}")  # under "vllm" so that vLLM's 
 
 _INDEX_DTYPES = {"shape": torch.int64, "bitmap": torch.uint8, "row_offsets": torch.int64,
                  "col_indices": torch.int32, "row_ptr": torch.int64, "codes": torch.uint8,
-                 "scales": torch.float16}
+                 "scales": torch.float16, "qweight": torch.int8}
 # The runtime weight of each servable format (the loader's placeholders only stash what they receive).
-_WEIGHTS = {"bitmap": BitmapWeight, "csr": BitmapWeight, "bitmap-q4": Q4Weight}
+_WEIGHTS = {"bitmap": BitmapWeight, "csr": BitmapWeight, "bitmap-q4": Q4Weight, "int8-rows": Int8Weight}
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
@@ -62,6 +64,7 @@ class LeapSparseConfig(QuantizationConfig):
         self.ignore = list(settings.ignore)
         self.decode_dense = settings.decode_dense
         self.activations = settings.activations
+        self.settings = settings
         self._layers_expected = 0
         self._layers_loaded = 0
         self._bytes_held = 0
@@ -89,18 +92,19 @@ class LeapSparseConfig(QuantizationConfig):
         return cls(LeapSparseSettings.from_config(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
-        """Sparse linears, and lm_head when the checkpoint stores it in the format (bitmap-q4 with
-        `quantize --lm-head`: its 4-bit codes, every weight kept); what `ignore` names stays dense."""
+        """Sparse linears, and lm_head when the checkpoint stores it quantized (bitmap-q4 exports of
+        `quantize --lm-head-bits 4|8`: its 4-bit codes, every weight kept, or int8-rows); what `ignore` names
+        stays dense."""
         skipped = is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping, match_mode="suffix")
         if isinstance(layer, ParallelLMHead) and not skipped:
             self._layers_expected += 1
-            return LeapSparseLinearMethod(self)
+            return LeapSparseLinearMethod(self, *self.settings.layer_tensors(lm_head=True))
         if not isinstance(layer, LinearBase):
             return None
         if skipped:
             return UnquantizedLinearMethod()
         self._layers_expected += 1
-        return LeapSparseLinearMethod(self)
+        return LeapSparseLinearMethod(self, *self.settings.layer_tensors(lm_head=False))
 
     def native_cpu_kernel(self) -> bool:
         """Whether CPU layers can use the native kernel; the first layer to ask builds or loads it, and
@@ -149,8 +153,10 @@ class LeapSparseConfig(QuantizationConfig):
 class LeapSparseLinearMethod(LinearMethodBase):
     """Loads bitmap/csr projections into a vLLM linear layer and multiplies through the sparse op."""
 
-    def __init__(self, config: LeapSparseConfig) -> None:
+    def __init__(self, config: LeapSparseConfig, fmt: str, names: tuple[str, ...]) -> None:
         self.config = config
+        self.fmt = fmt  # this layer's format (an lm_head may have its own) and its stored tensors
+        self.names = names
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -159,16 +165,16 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_output_partition_sizes = list(output_partition_sizes)
         layer.leap_input_size = input_size
         layer.leap_params_dtype = params_dtype
-        for name in SERVABLE_FORMATS[self.config.fmt]:
+        for name in self.names:
             dtype = _INDEX_DTYPES.get(name, params_dtype)
             placeholder = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
             set_weight_attrs(placeholder, {"weight_loader": _stash_loader(layer, name)})
             layer.register_parameter(name, placeholder)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        names = SERVABLE_FORMATS[self.config.fmt]
+        names = self.names
         device = getattr(layer, names[1]).device
-        weight_class = _WEIGHTS[self.config.fmt]
+        weight_class = _WEIGHTS[self.fmt]
         shards = []
         for index, size in enumerate(layer.leap_output_partition_sizes):
             parts = layer.leap_parts.get(index, {})
@@ -176,7 +182,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
             if missing:
                 raise ValueError(f"leap_sparse: {layer.prefix} (shard {index}) has no {', '.join(missing)} "
                                  f"in the checkpoint")
-            full = weight_class.from_tensors(self.config.fmt, parts)
+            full = weight_class.from_tensors(self.fmt, parts)
             shards.append(_this_rank(layer, index, size, full))
         weight = weight_class.cat_rows(shards).to(device, layer.leap_params_dtype)
         weight.check()  # once, at load: the native op is then told the layout is checked
@@ -191,6 +197,9 @@ class LeapSparseLinearMethod(LinearMethodBase):
             return
         if isinstance(weight, Q4Weight):
             self._hold_q4(layer, weight, device, dense_bytes)
+            return
+        if isinstance(weight, Int8Weight):
+            self._hold_int8(layer, weight, device, dense_bytes)
             return
         # On CPU the weights go onto huge pages (serving.huge_pages: fewer TLB misses while a decode step
         # streams them); elsewhere huge_page_copy returns them as they are.
@@ -230,10 +239,27 @@ class LeapSparseLinearMethod(LinearMethodBase):
                 layer.register_parameter(name, Parameter(huge_page_copy(tensor), requires_grad=False))
         self.config.record_loaded_layer(weight.nbytes(), dense_bytes)
 
+    def _hold_int8(self, layer: torch.nn.Module, weight: Int8Weight, device: torch.device,
+                   dense_bytes: int) -> None:
+        """An 8-bit lm_head: on CPU packed once for vLLM's oneDNN int8 GEMM (which then owns the codes),
+        elsewhere kept as stored and decoded per call."""
+        layer.leap_int8 = None
+        if device.type == "cpu" and onednn_int8_available():
+            layer.leap_int8 = OneDNNInt8(weight, layer.leap_params_dtype)
+        else:
+            for name, tensor in weight.tensors().items():
+                if name != "shape":
+                    layer.register_parameter(name, Parameter(tensor, requires_grad=False))
+        self.config.record_loaded_layer(weight.nbytes(), dense_bytes)
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.decode_dense:
             return F.linear(x, layer.weight, bias)
+        if hasattr(layer, "leap_int8"):
+            if layer.leap_int8 is not None:
+                return layer.leap_int8(x, bias)
+            return int8_rows_linear(x, layer.qweight, layer.scales, bias)
         if getattr(layer, "leap_q4", False):
             if layer.leap_pairs:
                 return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(

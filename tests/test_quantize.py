@@ -88,7 +88,7 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
     mask_set = MaskSet(masks=masks, model=str(stories260k_dir))
     apply_masks(model, mask_set)
     scales = quantize_model(model, mask_set, "rtn", 64)
-    scales[LM_HEAD] = quantize_lm_head(model, 64)  # tied to the input embedding: the tie must hold
+    scales[LM_HEAD] = quantize_lm_head(model, 4, 64)  # tied to the input embedding: the tie must hold
     masks[LM_HEAD] = torch.ones(model.lm_head.weight.shape, dtype=torch.bool)
 
     def codes(name: str, layer_scales: torch.Tensor) -> torch.Tensor:
@@ -181,6 +181,9 @@ def test_a_quantized_run_keeps_the_masks_and_sits_on_its_grid(wanda_run, quantiz
     for name, mask in run.masks.masks.items():
         Q4.encode(weights[name], mask, scales=run.scales[name])
         assert bool((weights[name][~mask] == 0).all())
+    # lm_head on the 8-bit grid by default: stories260K ties it to the input embedding, which holds its values
+    assert run.quantization["lm_head_bits"] == 8
+    get_format("int8-rows").encode(weights["model.embed_tokens.weight"], scales=run.scales["lm_head.weight"])
 
 
 def test_the_default_tuning_is_reported_and_plotted(quantized_run):
@@ -203,6 +206,19 @@ def test_the_export_validates_against_the_quantized_run(q4_export):
     assert manifest["format"] == "bitmap-q4"
     config = json.loads((q4_export / "config.json").read_text())
     assert config["quantization_config"]["format"] == "bitmap-q4"
+    assert config["quantization_config"]["lm_head_format"] == manifest["layers"]["lm_head"]["format"] \
+        == "int8-rows"
+
+
+
+def test_validate_multiplies_the_8_bit_lm_head_on_every_path(q4_export):
+    from leapctl.commands.validate import validate
+    from serving.int8_linear import onednn_int8_available
+
+    report = validate(str(q4_export), end_to_end=False)
+    head = [c for c in report.checks if c.kind == "sparse-linear" and c.target == "lm_head"]
+    assert len(head) == 1 and head[0].ok, report.checks
+    assert ("oneDNN" in head[0].detail) == onednn_int8_available() and "decode" in head[0].detail
 
 
 def damaged_export(q4_export, tmp_path, edit) -> str:
@@ -238,21 +254,37 @@ def extra_kept_weight(tensors, layer):
     raise AssertionError("no word with an even count")
 
 
-@pytest.mark.parametrize(("edit", "kind", "message"), [
-    (flip_code, "decode", "weights differ from the reference"),
-    (flip_scale, "decode", "weights differ from the reference"),
-    (extra_kept_weight, "format", "bitmap/code count mismatch"),
-], ids=["code", "scale", "popcount"])
-def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, kind, message):
+def flip_head_code(tensors, _layer):
+    tensors["lm_head.qweight"][3, 5] ^= 0x01
+
+
+def flip_head_scale(tensors, _layer):
+    tensors["lm_head.scales"].view(torch.int16)[2] ^= 0x0400
+
+
+def negative_head_scale(tensors, _layer):
+    tensors["lm_head.scales"][6] = -tensors["lm_head.scales"][6]
+
+
+@pytest.mark.parametrize(("edit", "target", "kind", "message"), [
+    (flip_code, "model.layers.1.self_attn.q_proj", "decode", "weights differ from the reference"),
+    (flip_scale, "model.layers.1.self_attn.q_proj", "decode", "weights differ from the reference"),
+    (extra_kept_weight, "model.layers.1.self_attn.q_proj", "format", "bitmap/code count mismatch"),
+    (flip_head_code, "lm_head", "decode", "weights differ from the reference"),
+    (flip_head_scale, "lm_head", "decode", "weights differ from the reference"),
+    (negative_head_scale, "lm_head", "format", "scales[6] is -"),
+], ids=["code", "scale", "popcount", "lm_head-code", "lm_head-scale", "lm_head-negative-scale"])
+def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, target, kind, message):
     from leapctl.commands.validate import validate
 
     report = validate(damaged_export(q4_export, tmp_path, edit), end_to_end=False)
-    failed = [c for c in report.failures if c.target == "model.layers.1.self_attn.q_proj"]
+    failed = [c for c in report.failures if c.target == target]
     assert any(c.kind == kind and message in c.detail for c in failed), report.failures
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--bits", "3"], "--bits 3 is not supported"),
+    (["--lm-head-bits", "6"], "--lm-head-bits 6 is not supported"),
     (["--group-size", "48"], "multiple of 32"),
     (["--method", "awq"], "unknown --method"),
     (["--tune-steps", "-1"], "--tune-steps must be >= 0"),

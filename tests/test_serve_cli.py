@@ -26,15 +26,17 @@ TEST_VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--seed", "0"]
 
 # ---------------------------------------------------------------- checkpoints
 
-def save_tiny_llama(out: Path, tokenizer_dir: Path) -> Path:
+def save_tiny_llama(out: Path, tokenizer_dir: Path, intermediate_size: int = 300) -> Path:
     """A random Llama that vLLM's CPU attention accepts (head_dim 32; stories260K's head_dim 8 is
     refused: "Unsupported CPU attention configuration"), with a wide init so that greedy choices are not
-    near-ties that rounding could flip; odd intermediate size so bitmaps have padding bits."""
+    near-ties that rounding could flip; by default an odd intermediate size so bitmaps have padding bits
+    (4-bit groups of 64 columns need a multiple of 64)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=300, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=intermediate_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.1,
+                         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
@@ -94,11 +96,16 @@ def _transformers_model(model_dir: Path):
 
 
 def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
-                        linear_input=None) -> list[int]:
-    """Greedy new tokens of the fp32 model; `linear_input(x)` replaces the input of every nn.Linear."""
+                        linear_input=None, head_input=None) -> list[int]:
+    """Greedy new tokens of the fp32 model; `linear_input(x)` replaces the input of every nn.Linear,
+    `head_input(x)` that of lm_head (default: `linear_input`)."""
     model = _transformers_model(model_dir)  # cached: the hooks go when the generation ends
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)] if linear_input else []
-    hooks = [m.register_forward_pre_hook(lambda _module, args: (linear_input(args[0]),)) for m in linears]
+    head_input = head_input or linear_input
+    hooks = []
+    for name, module in model.named_modules():
+        replace = head_input if name == "lm_head" else linear_input
+        if isinstance(module, torch.nn.Linear) and replace is not None:
+            hooks.append(module.register_forward_pre_hook(lambda _module, args, f=replace: (f(args[0]),)))
     try:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)

@@ -9,7 +9,7 @@ import torch
 vllm_linear = pytest.importorskip("vllm.model_executor.layers.linear")
 vllm_parameter = pytest.importorskip("vllm.model_executor.parameter")
 
-from serving.contract import DECODE_DENSE_ENV, LeapSparseSettings  # noqa: E402
+from serving.contract import DECODE_DENSE_ENV, SERVABLE_FORMATS, LeapSparseSettings  # noqa: E402
 from serving.leap_sparse import LeapSparseConfig  # noqa: E402
 from serving.plugin import QUANT_METHOD, register  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
@@ -209,3 +209,10 @@ def test_the_plugin_reads_the_contract_that_exports_write():
         LeapSparseConfig.from_config({**written, "format": "tiled-csl"})
     with pytest.raises(ValueError, match="not a leap_sparse serving checkpoint"):
         LeapSparseConfig.from_config({**written, "quant_method": "compressed-tensors"})
+    head8 = LeapSparseSettings("bitmap-q4", 0.5, lm_head_format="int8-rows").to_config()
+    assert head8["lm_head_format"] == "int8-rows"
+    settings = LeapSparseConfig.from_config(head8).settings
+    assert settings.layer_tensors(lm_head=True) == ("int8-rows", ("shape", "qweight", "scales"))
+    assert settings.layer_tensors(lm_head=False) == ("bitmap-q4", SERVABLE_FORMATS["bitmap-q4"])
+    with pytest.raises(ValueError, match="lm_head format 'int4' is not servable"):
+        LeapSparseConfig.from_config({**head8, "lm_head_format": "int4"})

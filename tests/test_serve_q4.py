@@ -5,6 +5,7 @@ defines;
 and the 4-bit layers hold what the format says. A random Llama with head_dim 32 (vLLM's CPU
 attention refuses stories260K's 8) and an intermediate size of 256, which groups of 64 divide."""
 
+import json
 import re
 
 import pytest
@@ -24,10 +25,9 @@ MAX_TOKENS = 24
 MEMORY_LINE = r"leap_sparse: (\d+) sparse linear layers hold (\d+) bytes, ([\d.]+)x of (\d+) dense bytes"
 
 
-@pytest.fixture(scope="module")
-def q4_checkpoints(tmp_path_factory, stories260k_dir):
+def q4_checkpoint(root, stories260k_dir, head_bits: int):
     """(quantized run folder, its bitmap-q4 export): magnitude 50%, then round to nearest, group 64, with
-    lm_head on the grid too (served through the plugin, untied from the embedding)."""
+    lm_head on the `head_bits` grid too (served through the plugin, untied from the embedding)."""
     from test_serve_cli import magnitude_masks
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -36,7 +36,6 @@ def q4_checkpoints(tmp_path_factory, stories260k_dir):
     from leapctl.quantize import LM_HEAD, quantization_entry, quantize_lm_head, quantize_model
     from leapctl.runs import save_run
 
-    root = tmp_path_factory.mktemp("q4-serve")
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
@@ -45,13 +44,23 @@ def q4_checkpoints(tmp_path_factory, stories260k_dir):
     masks = MaskSet(masks=magnitude_masks(model, 0.5), model="tiny-llama")
     apply_masks(model, masks)
     scales = quantize_model(model, masks, "rtn", 64)
-    scales[LM_HEAD] = quantize_lm_head(model, 64)  # tied: the embedding takes the same grid values
+    scales[LM_HEAD] = quantize_lm_head(model, head_bits, 64)  # tied: the embedding takes the same values
     run_dir, export_dir = root / "run", root / "sparse"  # the served model is named after the folder
     run_dir.mkdir()
     save_run(run_dir, model, AutoTokenizer.from_pretrained(stories260k_dir), masks,
-             {"quantization": quantization_entry(4, 64, "rtn", lm_head=True)}, scales=scales)
+             {"quantization": quantization_entry(4, 64, "rtn", lm_head_bits=head_bits)}, scales=scales)
     export(str(run_dir), "bitmap-q4", export_dir)
     return run_dir, export_dir
+
+
+@pytest.fixture(scope="module")
+def q4_checkpoints(tmp_path_factory, stories260k_dir):
+    return q4_checkpoint(tmp_path_factory.mktemp("q4-serve"), stories260k_dir, 4)
+
+
+@pytest.fixture(scope="module")
+def head8_checkpoints(tmp_path_factory, stories260k_dir):
+    return q4_checkpoint(tmp_path_factory.mktemp("q4-head8-serve"), stories260k_dir, 8)
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +69,12 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 
     return int8_activations(x, 64).to(x.dtype)
 
+
+def int8_rows_rounded(x: torch.Tensor) -> torch.Tensor:
+    """lm_head's input as the 8-bit lm_head multiplies it (per row, on every path)."""
+    from serving.int8_linear import int8_rows_activations
+
+    return int8_rows_activations(x).to(x.dtype)
 
 def test_int8_activations_serve_the_reference_greedy_text(q4_checkpoints, tmp_path):
     from serving import cpu_kernel
@@ -100,5 +115,28 @@ def test_greedy_text_equals_transformers_on_the_dequantized_run(q4_checkpoints, 
         vocab_weights = 512 * 128
         budget = 0.45 * (weights - vocab_weights) + (0.125 + 0.5 + 2 / 64) * vocab_weights
         assert held <= budget + 4 * weights / 128
+    finally:
+        stop_leapctl_serve(server)
+
+
+def test_an_8_bit_lm_head_serves_the_reference_greedy_text(head8_checkpoints, tmp_path):
+    """lm_head in int8-rows (quantize's default) through vLLM's int8 GEMM on CPU: its input rounded per row,
+    the 4-bit layers' per group where the int8 kernel runs."""
+    from serving import cpu_kernel
+
+    run_dir, export_dir = head8_checkpoints
+    config = json.loads((export_dir / "config.json").read_text())["quantization_config"]
+    assert config["lm_head_format"] == "int8-rows"
+    linear_input = int8_rounded if cpu_kernel.int8_kernel_available() else None
+    server = start_leapctl_serve(export_dir, tmp_path / "serve.log")
+    try:
+        for prompt in PROMPTS:
+            served = greedy_completion(server, "sparse", prompt, MAX_TOKENS)
+            expected = transformers_greedy(run_dir, served["prompt_token_ids"], MAX_TOKENS, linear_input,
+                                           head_input=int8_rows_rounded)
+            assert served["token_ids"] == expected, prompt
+        found = re.search(MEMORY_LINE, server.log())
+        assert found, server.log()[-2000:]
+        assert int(found.group(1)) == 2 * 4 + 1  # qkv, o, gate_up and down in each block, and lm_head
     finally:
         stop_leapctl_serve(server)

@@ -61,16 +61,18 @@ def run(config: QuantizeConfig) -> dict:
     options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
                                                        progress=config.progress)
     scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
-    if config.lm_head:
-        scales[LM_HEAD] = quantize_lm_head(model, config.group_size)
+    if config.lm_head_bits == 4:  # before tuning, which then learns its scales with the rest
+        scales[LM_HEAD] = quantize_lm_head(model, 4, config.group_size)
     quantize_seconds = time.perf_counter() - started
     tuning = None
     if config.tune_steps:
         scales, tuning = tune(model, tokenizer, teacher, scales, calib, config)
+    if config.lm_head_bits == 8:  # after tuning: its 8-bit grid has no scales worth learning
+        scales[LM_HEAD] = quantize_lm_head(model, 8, config.group_size)
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "quantization": quantization_entry(config.bits, config.group_size, config.method,
-                                                 config.lm_head),
+                                                 config.lm_head_bits),
               "calibration": calibration, "tuning": tuning, "device": config.device,
               "quantize_seconds": round(quantize_seconds, 3)}
     mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
@@ -117,6 +119,7 @@ def main(config: QuantizeConfig) -> int:
     report = run(config)
     q = report["quantization"]
     layers = len(report["achieved_sparsity"]["per_layer"])
+    head = f", lm_head {q['lm_head_bits']} bits" if q["lm_head_bits"] != 16 else ""
     typer.echo(f"{q['method']}: {layers} pruned layers quantized to {q['bits']} bits (group "
-               f"{q['group_size']}) in {report['quantize_seconds']:.1f}s -> {config.out}")
+               f"{q['group_size']}){head} in {report['quantize_seconds']:.1f}s -> {config.out}")
     return 0

@@ -11,9 +11,12 @@ import torch
 from leapctl.errors import LeapctlError
 from leapctl.exporters.base import Report, ValidateOptions, compute_paths, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
-from leapctl.quantize import LM_HEAD
+from leapctl.quantize import LM_HEAD, lm_head_bits
 from leapctl.runs import Run
 from serving.contract import LeapSparseSettings
+from sparse_formats import get_format
+
+HEAD_INT8 = "int8-rows"  # lm_head's codec when the run put it on the 8-bit grid
 
 # (rtol, atol relative to the output's scale): fp32 sums in another order; bf16 outputs rounded to 8 bits
 # (and the decode path's weight rounded to bf16 too).
@@ -47,45 +50,84 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
             masks[LM_HEAD] = torch.ones(tensors[LM_HEAD].shape, dtype=torch.bool)
         return masks
 
+    def layer_format(self, source: Run, name: str) -> str:
+        """int8-rows for an lm_head the run put on the 8-bit grid, bitmap-q4 for every other weight."""
+        if name == LM_HEAD and lm_head_bits(source.report.get("quantization") or {}) == 8:
+            return HEAD_INT8
+        return self.codec_name
+
     def encode_layer(self, source: Run, name: str, weight: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
         if name not in source.scales:
             raise ValueError("the run has no scales for it")
-        return self.codec.encode(weight, mask, scales=source.scales[name])
+        codec = get_format(self.layer_format(source, name))
+        return codec.encode(weight, mask, scales=source.scales[name])
 
-    def quantization_config(self, ignore: list[str], sparsity: float) -> dict:
-        return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore)).to_config()
+    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+        return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore),
+                                  lm_head_format=layer_formats.get("lm_head", "")).to_config()
 
     def check_compute(self, manifest: dict, tensors: dict, layers: dict[str, torch.Tensor], report: Report,
                       options: ValidateOptions) -> None:
-        """serving's ops on each layer against x W^T with the decoded fp32 weight, for fp32 and bf16 x."""
+        """serving's ops on each layer against x W^T with the decoded fp32 weight, for fp32 and bf16 x (an
+        8-bit lm_head: x rounded to int8 per row first, as its ops do)."""
+        from serving.int8_linear import (
+            Int8Weight,
+            OneDNNInt8,
+            int8_rows_activations,
+            int8_rows_linear,
+            onednn_int8_available,
+        )
         from serving.q4_linear import Q4Weight, bitmap_q4_linear
 
-        paths = compute_paths(report, "bitmap_q4_linear")
+        q4_paths = compute_paths(report, "bitmap_q4_linear")
         gen = torch.Generator().manual_seed(options.seed)
         for layer, weight in layers.items():
-            stored = Q4Weight.from_tensors(self.name, self.layer_tensors(layer, manifest["layers"][layer],
-                                                                         tensors))
-            wrong, worst = [], 0.0
-            for dtype, (rtol, atol) in TOLERANCE.items():
-                x = torch.randn(4, weight.shape[1], generator=gen).to(dtype)
-                expected = torch.nn.functional.linear(x.float(), weight.float())
-                scale = max(1.0, float(expected.abs().max()))
-                for name, active in paths.items():
-                    op = bitmap_q4_linear if name == "decode" else torch.ops.leap_sparse_cpu.bitmap_q4_linear
+            info = manifest["layers"][layer]
+            parts = self.layer_tensors(layer, info, tensors)
+            if info.get("format") == HEAD_INT8:
+                stored = Int8Weight.from_tensors(HEAD_INT8, parts)
+                ops = {"decode": lambda x, w=stored: int8_rows_linear(x, w.qweight, w.scales)}
+                if onednn_int8_available():  # packed once per output dtype, as a layer does at load
+                    packed = {dtype: OneDNNInt8(stored, dtype) for dtype in TOLERANCE}
+                    ops["oneDNN"] = lambda x, packed=packed: packed[x.dtype](x)
+                self._check_ops(layer, weight, ops, int8_rows_activations, report, gen)
+                continue
+            stored = Q4Weight.from_tensors(self.name, parts)
+            args = (stored.bitmap, stored.codes, stored.scales, stored.row_offsets, stored.n_cols)
+
+            def run_in(active, op, args=args):
+                def call(x):
                     with active():
-                        got = op(x, stored.bitmap, stored.codes, stored.scales, stored.row_offsets,
-                                 stored.n_cols).float()
-                    if got.shape != expected.shape:
-                        wrong.append(f"{name}: output shape {tuple(got.shape)}, not {tuple(expected.shape)}")
-                        continue
-                    error = float((got - expected).abs().max())
-                    worst = max(worst, error / scale)
-                    if not torch.allclose(got, expected, rtol=rtol, atol=atol * scale):
-                        wrong.append(f"{name} {dtype}: max |difference| {error:.3g}")
-            report.add("sparse-linear", layer, not wrong,
-                       "; ".join(wrong) if wrong else f"max |difference| {worst:.3g} of the output's scale "
-                                                      f"(fp32, bf16; {', '.join(paths)})")
+                        return op(x, *args)
+                return call
+
+            ops = {name: run_in(active, bitmap_q4_linear if name == "decode"
+                                else torch.ops.leap_sparse_cpu.bitmap_q4_linear)
+                   for name, active in q4_paths.items()}
+            self._check_ops(layer, weight, ops, lambda x: x.float(), report, gen)
+
+    @staticmethod
+    def _check_ops(layer: str, weight: torch.Tensor, ops: dict, x_as_multiplied, report: Report,
+                   gen: torch.Generator) -> None:
+        """One sparse-linear line: every op (name -> f(x)) against x_as_multiplied(x) W^T in fp32."""
+        wrong, worst = [], 0.0
+        for dtype, (rtol, atol) in TOLERANCE.items():
+            x = torch.randn(4, weight.shape[1], generator=gen).to(dtype)
+            expected = torch.nn.functional.linear(x_as_multiplied(x), weight.float())
+            scale = max(1.0, float(expected.abs().max()))
+            for name, op in ops.items():
+                got = op(x).float()
+                if got.shape != expected.shape:
+                    wrong.append(f"{name}: output shape {tuple(got.shape)}, not {tuple(expected.shape)}")
+                    continue
+                error = float((got - expected).abs().max())
+                worst = max(worst, error / scale)
+                if not torch.allclose(got, expected, rtol=rtol, atol=atol * scale):
+                    wrong.append(f"{name} {dtype}: max |difference| {error:.3g}")
+        report.add("sparse-linear", layer, not wrong,
+                   "; ".join(wrong) if wrong else f"max |difference| {worst:.3g} of the output's scale "
+                                                  f"(fp32, bf16; {', '.join(ops)})")
 
 
 register(BitmapQ4Exporter())

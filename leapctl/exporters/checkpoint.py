@@ -41,8 +41,9 @@ class SparseCheckpointExporter(Exporter):
     stored_names: dict[str, str] = {}  # codec tensor name -> name on disk, where they differ
 
     @abstractmethod
-    def quantization_config(self, ignore: list[str], sparsity: float) -> dict:
-        """The `quantization_config` entry of the exported config.json."""
+    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+        """The `quantization_config` entry of the exported config.json (`layer_formats`: the layers stored in
+        another codec than the target's, e.g. {"lm_head": "int8-rows"})."""
 
     @property
     def codec(self):
@@ -54,6 +55,11 @@ class SparseCheckpointExporter(Exporter):
         """Weight name -> keep-mask of every weight stored in the codec's layout: the run's pruned weights
         (a target that also stores dense layers that way adds them, and their tensors, here)."""
         return run.masks.masks
+
+    def layer_format(self, source: Run, name: str) -> str:
+        """The codec of one encoded weight: the target's own, unless the target stores some (an 8-bit
+        lm_head) in another."""
+        return self.codec_name
 
     def encode_layer(self, source: Run, name: str, weight: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -68,7 +74,7 @@ class SparseCheckpointExporter(Exporter):
             if name not in tensors:
                 raise LeapctlError(f"the masks name {name}, which {source.spec} does not have")
         writer = ShardWriter(out, options.max_shard_bytes)
-        layers = {}
+        layers, layer_formats = {}, {}
         for name, tensor in tensors.items():
             if options.dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(options.dtype)
@@ -91,6 +97,9 @@ class SparseCheckpointExporter(Exporter):
                              "density": kept / mask.numel(),
                              "dense_bytes": tensor.numel() * tensor.element_size(),
                              "sparse_bytes": nbytes(encoded), "tensors": sorted(group)}
+            fmt = self.layer_format(source, name)
+            if fmt != self.codec_name:
+                layers[layer]["format"] = layer_formats[layer] = fmt
         weight_map = writer.finish()
         for info in layers.values():
             info["file"] = weight_map[info["tensors"][0]]
@@ -104,7 +113,7 @@ class SparseCheckpointExporter(Exporter):
             config_dict["dtype"] = dtype_name(options.dtype)
             config_dict.pop("torch_dtype", None)
         sparsity = source.masks.sparsity()["global"]
-        config_dict["quantization_config"] = self.quantization_config(ignore, sparsity)
+        config_dict["quantization_config"] = self.quantization_config(ignore, sparsity, layer_formats)
         (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
 
         def size(name: str) -> int:
@@ -200,12 +209,17 @@ class SparseCheckpointExporter(Exporter):
                 report.add("format", layer, False, f"tensor {', '.join(missing)} missing")
                 continue
             try:
-                self.codec.check(parts)
+                codec = get_format(info.get("format", self.codec_name))
+            except KeyError as exc:
+                report.add("format", layer, False, f"the manifest names {exc}")
+                continue
+            try:
+                codec.check(parts)
             except FormatError as exc:
                 report.add("format", layer, False, str(exc))
                 continue
             report.add("format", layer, True)
-            decoded = self.codec.decode(parts)
+            decoded = codec.decode(parts)
             if list(decoded.shape) != info["shape"]:
                 report.add("decode", layer, False, f"decodes to shape {list(decoded.shape)}, "
                                                    f"manifest says {info['shape']}")
@@ -219,7 +233,7 @@ class SparseCheckpointExporter(Exporter):
             else:
                 mask = reference_masks[weight_name]
                 detail = bit_difference(decoded, masked_weight(reference.weight(weight_name), mask))
-                if not detail and "bitmap" in parts and self.codec_name in ("bitmap", "bitmap-q4"):
+                if not detail and "bitmap" in parts and codec.name in ("bitmap", "bitmap-q4"):
                     stored_mask = unpack_rows(parts["bitmap"], decoded.shape[1])
                     if not torch.equal(stored_mask, mask):
                         detail = (f"bitmap differs from the reference mask at "

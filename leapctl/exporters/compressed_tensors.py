@@ -14,7 +14,7 @@ class CompressedTensorsExporter(SparseCheckpointExporter):
     codec_name = "bitmap"
     stored_names = {"bitmap": "bitmask", "values": "compressed"}
 
-    def quantization_config(self, ignore: list[str], sparsity: float) -> dict:
+    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
         sparsity_config = {"format": "sparse-bitmask", "targets": ["Linear"], "ignore": ignore,
                            "global_sparsity": sparsity, "sparsity_structure": "unstructured"}
         try:

@@ -21,7 +21,7 @@ class LeapSparseExporter(SparseCheckpointExporter):
         self.name = self.codec_name = fmt
         self.summary = summary
 
-    def quantization_config(self, ignore: list[str], sparsity: float) -> dict:
+    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
         return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore)).to_config()
 
     def check_compute(self, manifest: dict, tensors: dict, layers: dict[str, torch.Tensor], report: Report,

@@ -14,7 +14,7 @@ class TiledExporter(SparseCheckpointExporter):
         self.summary = summary
         self.value_dtypes = value_dtypes
 
-    def quantization_config(self, ignore: list[str], sparsity: float) -> dict:
+    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
         return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore)).to_config()
 
 

@@ -18,6 +18,7 @@ from leapctl.masks import MaskSet
 from leapctl.quantize.config import QuantizeConfig
 from leapctl.quantize.gptq import GPTQQuantizer
 from leapctl.quantize.rtn import rtn_quantize
+from sparse_formats import int8_rows
 from sparse_formats.bitmap_q4 import GRID_OFFSET
 
 FORMAT = "bitmap-q4"
@@ -86,25 +87,40 @@ LM_HEAD = "lm_head.weight"
 
 
 @torch.no_grad()
-def quantize_lm_head(model: nn.Module, group_size: int) -> torch.Tensor:
-    """lm_head's weight on the grid, every entry kept (a tied input embedding is the same tensor, so it
-    takes the same values); returns its fp16 scales."""
+def quantize_lm_head(model: nn.Module, bits: int, group_size: int) -> torch.Tensor:
+    """lm_head's weight on the `bits` grid, every entry kept (a tied input embedding is the same tensor, so
+    it takes the same values); returns its fp16 scales: [rows, groups] on the 4-bit grid, [rows] on the
+    8-bit one (`sparse_formats.int8_rows`)."""
     head = model.get_output_embeddings()
     if head is None:
-        raise LeapctlError("--lm-head: the model has no lm_head")
+        raise LeapctlError("--lm-head-bits: the model has no lm_head (use --lm-head-bits 16)")
+    if bits == 8:
+        scales = int8_rows.row_scales(head.weight)
+        head.weight.copy_(int8_rows.dequantize(int8_rows.quantize_codes(head.weight, scales), scales)
+                          .to(head.weight.dtype))
+        return scales.cpu()
     if head.weight.shape[1] % group_size:
-        raise LeapctlError(f"--lm-head: --group-size {group_size} does not divide the {head.weight.shape[1]} "
-                           f"input columns of lm_head")
+        raise LeapctlError(f"--lm-head-bits 4: --group-size {group_size} does not divide the "
+                           f"{head.weight.shape[1]} input columns of lm_head")
     everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
     weight, scales = rtn_quantize(head.weight, everything, group_size)
     head.weight.copy_(weight.to(head.weight.dtype))
     return scales.cpu()
 
 
-def quantization_entry(bits: int, group_size: int, method: str, lm_head: bool = False) -> dict:
+def lm_head_bits(quantization: dict) -> int:
+    """The bits of lm_head's grid a run's `quantization` entry records (16: not quantized); runs written
+    before `--lm-head-bits` said `lm_head: true` for the 4-bit grid."""
+    if "lm_head_bits" in quantization:
+        return int(quantization["lm_head_bits"])
+    return 4 if quantization.get("lm_head") else 16
+
+
+def quantization_entry(bits: int, group_size: int, method: str, lm_head_bits: int = 16) -> dict:
     """What a quantized run's report says about its grid (export and validate read it)."""
-    return {"bits": bits, "group_size": group_size, "method": method, "format": FORMAT, "lm_head": lm_head,
+    return {"bits": bits, "group_size": group_size, "method": method, "format": FORMAT,
+            "lm_head_bits": lm_head_bits,
             "grid": f"scale * (code - {GRID_OFFSET}), code in 0..15, fp16 scale per row and group"}
 
 
-__all__ = ["LM_HEAD", "QUANTIZERS", "QuantizeConfig", "quantization_entry", "quantize_model"]
+__all__ = ["LM_HEAD", "QUANTIZERS", "QuantizeConfig", "lm_head_bits", "quantization_entry", "quantize_model"]

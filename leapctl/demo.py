@@ -3,9 +3,10 @@ downloaded from a hub (the model and the Wikipedia summaries come from PyPI pack
 
 Each step runs the real `leapctl` command, printed before it runs, so the demo doubles as a tour:
 prune with Wanda at 50% -> learn a LEAP mask from the Wanda start (the default settings; only the budget
-and two CPU speed switches are given) -> perplexity of dense, Wanda and LEAP on held-apart summaries,
-side by side -> export the LEAP run as a bitmap serving checkpoint -> validate it -> serve it with vLLM
-and ask one chat question through the `openai` client."""
+and two CPU speed switches are given) -> put its kept weights on a 4-bit grid (GPTQ with the mask fixed, then
+a short scale tuning) -> perplexity of dense, Wanda, LEAP and LEAP 4-bit on held-apart summaries, side by
+side -> export the 4-bit run as a bitmap-q4 serving checkpoint -> validate it -> serve it with vLLM and ask
+one chat question through the `openai` client."""
 
 import argparse
 import json
@@ -22,6 +23,9 @@ console = Console()
 MODEL = "smollm2-135m"
 HELDOUT_SAMPLE = 60  # held-apart summaries scored by the demo's eval step
 LEARN_STEPS, LEARN_BATCH, LEARN_SEQ_LEN = 150, 4, 256  # 1024 tokens a step
+# quantize's GPTQ calibration and scale tuning, shortened for a CPU demo (its defaults take about two hours on
+# SmolLM2 there): 32 windows of 256 tokens, 50 tuning steps of 4 of them
+QUANTIZE_SAMPLES, QUANTIZE_TUNE_STEPS = 32, 50
 
 
 def leapctl(*args: str) -> list[str]:
@@ -76,18 +80,21 @@ def serve_and_chat(export_dir: Path, question: str) -> None:
 
 
 def summarise(eval_json: Path, labels: list[str]) -> None:
-    """Dense, Wanda and LEAP perplexity side by side, with what LEAP bought over its Wanda start."""
+    """Dense, Wanda, LEAP (and its 4-bit run) perplexity side by side, with what LEAP bought over its Wanda
+    start and what 4-bit values cost over 16-bit ones."""
     models = json.loads(eval_json.read_text())["models"]
     ppl = [next(iter(entry["perplexity"].values()))["ppl"] for entry in models]
     line = ", ".join(f"{label} {value:.2f}" for label, value in zip(labels, ppl, strict=True))
-    if len(ppl) == 3:
+    if len(ppl) >= 3 and labels[2] == "LEAP":
         line += f"; LEAP / Wanda = {ppl[2] / ppl[1]:.2f}"
+    if labels[-1].endswith("4-bit"):
+        line += f"; 4-bit / 16-bit values = {ppl[-1] / ppl[-2]:.2f}"
     console.print(f"[bold]held-apart perplexity:[/] {line}", highlight=False)
 
 
 def heldout_sample(path: Path) -> Path:
     """The first summaries of the held-apart slice (never calibrated on) as a text file: about 6k tokens,
-    so that three models are scored in minutes on a CPU (`leapctl eval --ppl` takes any text file)."""
+    so that the demo's models are scored in minutes on a CPU (`leapctl eval --ppl` takes any text file)."""
     from leapctl.data import WIKI_SUMMARIES_HELDOUT, load_documents
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,11 +109,13 @@ def main() -> None:
     parser.add_argument("--learn-steps", type=int, default=LEARN_STEPS,
                         help=f"LEAP optimizer steps of {LEARN_BATCH} x {LEARN_SEQ_LEN} tokens (0 skips "
                              f"learning and exports the Wanda run).")
+    parser.add_argument("--no-quantize", action="store_true",
+                        help="Keep 16-bit values: export and serve the sparse run as a bitmap checkpoint.")
     parser.add_argument("--no-serve", action="store_true", help="Stop after validating the export.")
     args = parser.parse_args()
 
     work = args.workdir
-    wanda_run, leap_run, export_dir = work / "wanda", work / "leap", work / "export"
+    wanda_run, leap_run, q4_run, export_dir = work / "wanda", work / "leap", work / "q4", work / "export"
     sparsity = str(args.sparsity)
     run_step("prune with Wanda (calibration: 32 x 512 tokens of Wikipedia summaries)",
              leapctl("prune", MODEL, "--method", "wanda", "--sparsity", sparsity, "--calib", "wiki-summaries",
@@ -124,14 +133,24 @@ def main() -> None:
                          "--batch-size", str(LEARN_BATCH), "--seq-len", str(LEARN_SEQ_LEN), "--autocast",
                          "--no-gradient-checkpointing", "--out", str(leap_run), "--overwrite"))
         runs.append(str(leap_run))
+    labels = ["dense", "Wanda", "LEAP"][: len(runs)]
+    if not args.no_quantize:
+        run_step(f"put the sparse run's kept weights on a 4-bit grid (GPTQ on {QUANTIZE_SAMPLES} x "
+                 f"{LEARN_SEQ_LEN} tokens, then {QUANTIZE_TUNE_STEPS} steps of scale tuning)",
+                 leapctl("quantize", runs[-1], "--nsamples", str(QUANTIZE_SAMPLES), "--seq-len",
+                         str(LEARN_SEQ_LEN), "--batch-size", str(LEARN_BATCH), "--tune-steps",
+                         str(QUANTIZE_TUNE_STEPS), "--out", str(q4_run), "--overwrite"))
+        runs.append(str(q4_run))
+        labels.append(f"{labels[-1]} 4-bit")
     heldout = heldout_sample(work / "heldout-sample.txt")
     run_step(f"perplexity on {HELDOUT_SAMPLE} held-apart Wikipedia summaries: dense against sparse",
              leapctl("eval", *runs, "--ppl", str(heldout), "--seq-len", "512",
                      "--json", str(work / "eval.json")))
-    summarise(work / "eval.json", ["dense", "Wanda", "LEAP"][: len(runs)])
-    run_step("export the sparse run as a bitmap serving checkpoint",
-             leapctl("export", runs[-1], "--format", "bitmap", "--out", str(export_dir), "--overwrite"))
-    run_step("validate the export against the masked dense model", leapctl("validate", str(export_dir)))
+    summarise(work / "eval.json", labels)
+    export_format = "bitmap" if args.no_quantize else "bitmap-q4"
+    run_step(f"export the sparse run as a {export_format} serving checkpoint",
+             leapctl("export", runs[-1], "--format", export_format, "--out", str(export_dir), "--overwrite"))
+    run_step("validate the export against the run it came from", leapctl("validate", str(export_dir)))
     if not args.no_serve:
         serve_and_chat(export_dir, "What is the capital of France?")
     console.rule("[bold green]demo finished")

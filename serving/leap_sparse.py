@@ -151,7 +151,8 @@ class LeapSparseConfig(QuantizationConfig):
 
 
 class LeapSparseLinearMethod(LinearMethodBase):
-    """Loads bitmap/csr projections into a vLLM linear layer and multiplies through the sparse op."""
+    """Loads bitmap, csr or bitmap-q4 projections (and an int8-rows lm_head) into a vLLM linear layer and
+    multiplies through the matching op."""
 
     def __init__(self, config: LeapSparseConfig, fmt: str, names: tuple[str, ...]) -> None:
         self.config = config

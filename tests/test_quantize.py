@@ -323,3 +323,12 @@ def test_quantize_never_replaces_its_own_run(wanda_run, tmp_path):
     done = leapctl("quantize", str(wanda_run), "--method", "rtn", "--out", str(wanda_run), "--overwrite")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert sorted(p.name for p in wanda_run.iterdir()) == before
+
+
+def test_runs_written_before_lm_head_bits_read_as_what_they_hold():
+    """`lm_head: true` (the old --lm-head) was the 4-bit grid; no entry means lm_head was left as it is."""
+    from leapctl.quantize import lm_head_bits
+
+    assert lm_head_bits({"lm_head": True}) == 4
+    assert lm_head_bits({"lm_head": False}) == lm_head_bits({}) == 16
+    assert lm_head_bits({"lm_head_bits": 8, "lm_head": True}) == 8

@@ -11,19 +11,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from serving.q4_linear import int8_activations
 from sparse_formats import get_format
 
 INT8 = get_format("int8-rows")
 
 
 def int8_rows_activations(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32 as the int8 lm_head multiplies it: per row, q = round(x * (127 / max|x|)) (ties to even; 0
-    for an all-zero row) and x = q * (max|x| / 127)."""
-    x = x.float()
-    top = x.abs().amax(-1, keepdim=True)
-    limit = torch.full_like(top, 127.0)
-    inverse = torch.where(top > 0, limit / top, torch.zeros_like(top))
-    return torch.round(x * inverse) * (top / limit)
+    """x in fp32 as the int8 lm_head multiplies it: the int8 op's rounding (`int8_activations`) with the whole
+    row as one group."""
+    return int8_activations(x, x.shape[-1])
 
 
 @torch.library.custom_op("leap_sparse::int8_rows_linear", mutates_args=())

@@ -6,6 +6,8 @@ fp32 (the run's dtype; vLLM casts them at load). Validation adds serving's ops o
 per-call decode op and the native kernel on every instruction set this CPU runs, against the dequantized
 dense matmul."""
 
+from functools import partial
+
 import torch
 
 from leapctl.errors import LeapctlError
@@ -15,8 +17,9 @@ from leapctl.quantize import LM_HEAD, lm_head_bits
 from leapctl.runs import Run
 from serving.contract import LeapSparseSettings
 from sparse_formats import get_format
+from sparse_formats.int8_rows import INT8_ROWS
 
-HEAD_INT8 = "int8-rows"  # lm_head's codec when the run put it on the 8-bit grid
+HEAD_INT8 = INT8_ROWS.name  # lm_head's codec when the run put it on the 8-bit grid
 
 # (rtol, atol relative to the output's scale): fp32 sums in another order; bf16 outputs rounded to 8 bits
 # (and the decode path's weight rounded to bf16 too).
@@ -95,15 +98,8 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
                 continue
             stored = Q4Weight.from_tensors(self.name, parts)
             args = (stored.bitmap, stored.codes, stored.scales, stored.row_offsets, stored.n_cols)
-
-            def run_in(active, op, args=args):
-                def call(x):
-                    with active():
-                        return op(x, *args)
-                return call
-
-            ops = {name: run_in(active, bitmap_q4_linear if name == "decode"
-                                else torch.ops.leap_sparse_cpu.bitmap_q4_linear)
+            ops = {name: partial(_call_in, active, bitmap_q4_linear if name == "decode"
+                                 else torch.ops.leap_sparse_cpu.bitmap_q4_linear, args)
                    for name, active in q4_paths.items()}
             self._check_ops(layer, weight, ops, lambda x: x.float(), report, gen)
 
@@ -128,6 +124,12 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
         report.add("sparse-linear", layer, not wrong,
                    "; ".join(wrong) if wrong else f"max |difference| {worst:.3g} of the output's scale "
                                                   f"(fp32, bf16; {', '.join(ops)})")
+
+
+def _call_in(active, op, args: tuple, x: torch.Tensor) -> torch.Tensor:
+    """op(x, *args) inside the context `active()` (a compute path: the portable op, an ISA)."""
+    with active():
+        return op(x, *args)
 
 
 register(BitmapQ4Exporter())

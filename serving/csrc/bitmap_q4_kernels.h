@@ -6,8 +6,10 @@
 // little-endian uint32, are the mask of columns 32w..32w+31); per row and word, ceil(popcount/2) bytes
 // of 4-bit codes (the k-th kept weight of the word in byte k/2, low nibble for even k), so every word's
 // codes start on a byte; one fp16 scale per row and group of G columns; int32 row offsets into the codes.
-// A kept weight is scale * (code - 7.5). The kernels read the tensors as they are, so tensor-parallel
-// row slices (codes re-based by the first offset) need no repacking.
+// A kept weight is scale * (code - 7.5) (the symmetric grid), or scale * (code - zero) where the layout
+// has zero points (the asymmetric grid): one 4-bit zero per row and group, packed two to a byte (group g of
+// row r in byte r * zeros_stride + g / 2, the low nibble for even g). The kernels read the tensors as they
+// are, so tensor-parallel row slices (codes re-based by the first offset) need no repacking.
 //
 // Plain C++ like bitmap_kernels.h: each ISA file compiles its kernels with its own target options.
 #pragma once
@@ -27,6 +29,8 @@ struct Q4Problem : Operands {   // cols: a multiple of 32 (of G)
   const uint8_t* bitmap;       // [rows, cols / 8]
   const int32_t* row_offsets;  // [rows], byte of each row's first code
   const uint16_t* scales;      // fp16 [rows, groups]
+  const uint8_t* zeros;        // 4-bit zero points [rows, zeros_stride], or nullptr: the symmetric grid
+  int64_t zeros_stride;        // (groups + 1) / 2
   int64_t groups;              // cols / G
   int64_t group_words;         // G / 32
   // x as the op packs it: bf16 interleaved by word when x_is_bf16 (word w of row i at element
@@ -69,7 +73,9 @@ void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t
 //   (the shorter row's nibbles beyond its count 0; 64 bytes in a dense layout); block_offsets[b] is block b's
 //   first code byte, and kPairPad zero bytes follow the last one;
 // - scales: per block, group and row of the block, the row's fp16 scale (padded rows 0); the group size must
-//   be a multiple of 64.
+//   be a multiple of 64;
+// - zeros (the asymmetric grid only): per block, group and row of the block, the row's zero point 0..15 as a
+//   byte (padded rows 0), in the scales' order.
 constexpr int kPairRows = 4;
 constexpr int64_t kPairPad = 64;  // a pair of rows' codes are read with one 64-byte load
 constexpr int64_t kPairHeader = 2;
@@ -92,6 +98,7 @@ struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G
   const uint8_t* codes;           // the pair layout's codes, kPairPad bytes after the last one
   const int64_t* block_offsets;   // [blocks]
   const uint16_t* scales;         // fp16 [blocks, groups, kPairRows]
+  const uint8_t* zeros;           // [blocks, groups, kPairRows] zero points 0..15, or nullptr: the symmetric grid
   int64_t groups;
   int64_t group_pairs;  // G / 64
   const int8_t* x_values;  // Q8Rows of the m rows of x

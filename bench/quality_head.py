@@ -38,7 +38,7 @@ def head_variants(dense: torch.Tensor) -> dict[str, tuple[torch.Tensor, bool]]:
     """Variant name -> (lm_head weight, whether its input is rounded to int8 per row)."""
     scales = int8_rows.row_scales(dense)
     int8 = int8_rows.dequantize(int8_rows.quantize_codes(dense, scales), scales)
-    four, _ = rtn_quantize(dense, torch.ones(dense.shape, dtype=torch.bool), 64)
+    four, _, _ = rtn_quantize(dense, torch.ones(dense.shape, dtype=torch.bool), 64)
     return {"16-bit (as it is)": (dense, False), "8-bit": (int8, False),
             "8-bit, x rounded per row": (int8, True), "4-bit, group 64 (rtn)": (four, False)}
 

@@ -15,7 +15,8 @@ Servers, per model (each started, measured and stopped before the next; the mach
 - `leapctl-q4-50`, `leapctl-q4-50-head8`, `leapctl-q4-60-head8`, `leapctl-q4-50-head4`, ...: `leapctl
   serve` on a bitmap-q4 export with its default int8 activations (`-bf16x`: `--activations bf16`)
   (magnitude pruning at 50 or 60%, then `leapctl quantize --method rtn`, group 64; lm_head as `quantize
-  --lm-head-bits` puts it: 16-bit without a suffix, `-head8` 8 bits (quantize's default), `-head4` 4 bits).
+  --lm-head-bits` puts it: 16-bit without a suffix, `-head8` 8 bits (quantize's default), `-head4` 4 bits;
+  `-asym`: `--grid asymmetric`, a zero point per group).
   Speed depends on the density, not on which weights are kept; the quality of LEAP/GPTQ variants is
   bench/quality_q4.py's job.
 Models: SmolLM2-135M (real) and `llama-1b-shape`, Llama-3.2-1B's decoder shapes with random weights and
@@ -67,7 +68,8 @@ from serving import cpu_kernel  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50",
            "leapctl-q4-50-head8", "leapctl-q4-60-head8", "leapctl-q4-50-head4", "leapctl-q4-60-head4",
-           "leapctl-q4-50-head4-bf16x", "leapctl-q4-60-head4-bf16x")
+           "leapctl-q4-50-head4-bf16x", "leapctl-q4-60-head4-bf16x", "leapctl-q4-50-head8-asym",
+           "leapctl-q4-60-head8-asym")
 VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
 
 
@@ -83,18 +85,20 @@ def dense_model(name: str, work: Path) -> Path:
     raise SystemExit(f"unknown model {name!r} (smollm2-135m or llama-1b-shape)")
 
 
-def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head_bits: int) -> Path:
-    """prune (magnitude) -> quantize (rtn, lm_head in `lm_head_bits`; no scale tuning: speed does not depend
-    on the scales' values) -> export bitmap-q4, each step skipped when its output exists."""
+def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head_bits: int,
+              grid: str = "symmetric") -> Path:
+    """prune (magnitude) -> quantize (rtn, lm_head in `lm_head_bits`, on `grid`; no scale tuning: speed does
+    not depend on the scales' values) -> export bitmap-q4, each step skipped when its output exists."""
     run = work / f"{dense.name}-mag{round(sparsity * 100)}"
-    quantized = run.with_name(run.name + ("-q4" if lm_head_bits == 16 else f"-q4-head{lm_head_bits}"))
+    quantized = run.with_name(run.name + ("-q4" if lm_head_bits == 16 else f"-q4-head{lm_head_bits}")
+                              + ("-asym" if grid == "asymmetric" else ""))
     export = quantized.with_name(quantized.name + "-export")
     if not (run / "report.json").is_file():
         leapctl("prune", str(dense), "--method", "magnitude", "--sparsity", str(sparsity), "--out", str(run),
                 "--overwrite")
     if not (quantized / "report.json").is_file():
         leapctl("quantize", str(run), "--method", "rtn", "--tune-steps", "0", "--group-size", str(group_size),
-                "--out", str(quantized), "--overwrite", "--lm-head-bits", str(lm_head_bits))
+                "--out", str(quantized), "--overwrite", "--lm-head-bits", str(lm_head_bits), "--grid", grid)
     if not (export / "manifest.json").is_file():
         leapctl("export", str(quantized), "--format", "bitmap-q4", "--out", str(export), "--overwrite")
     return export
@@ -122,7 +126,8 @@ def commands(model: str, dense: Path, work: Path, args) -> dict:
         elif server.startswith("leapctl-q4-"):
             sparsity = int(server.split("-")[2]) / 100
             head = next((bits for bits in (4, 8) if f"-head{bits}" in server), 16)
-            export = q4_export(dense, work, sparsity, args.group_size, head)
+            grid = "asymmetric" if server.endswith("-asym") else "symmetric"
+            export = q4_export(dense, work, sparsity, args.group_size, head, grid)
             activations = "bf16" if server.endswith("-bf16x") else "int8"
             chosen[server] = ("vllm", lambda port, export=export, extra=profiling(server): server_command(
                 export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS, *extra]),

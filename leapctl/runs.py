@@ -7,6 +7,7 @@ and `learn --init-masks` read. This module is its one owner: layout, writing, re
     RUN/leapctl/mask_logits.safetensors               learn --save-logits
     RUN/leapctl/scales.safetensors                    quantize, learn --bits: fp16 scales of the 4-bit
                                                       grid the kept weights sit on (sparse_formats.bitmap_q4)
+    RUN/leapctl/zeros.safetensors                     quantize --grid asymmetric: its uint8 zero points
 
 The top level is an ordinary Hugging Face checkpoint that stock transformers and vLLM load as it is. The
 mask files sit one folder down because vLLM loads every `*.safetensors` at the top of a folder that has no
@@ -29,6 +30,7 @@ LEAPCTL_DIR = "leapctl"
 MASKS_FILE = f"{LEAPCTL_DIR}/masks.safetensors"
 LOGITS_FILE = f"{LEAPCTL_DIR}/mask_logits.safetensors"
 SCALES_FILE = f"{LEAPCTL_DIR}/scales.safetensors"
+ZEROS_FILE = f"{LEAPCTL_DIR}/zeros.safetensors"
 LEGACY_MASKS_FILE = "masks.safetensors"
 REPORT_FILE = "report.json"
 
@@ -44,6 +46,7 @@ class Run:
     masks: MaskSet
     report: dict
     scales: dict[str, torch.Tensor] | None = None  # per weight name, when the kept weights are quantized
+    zeros: dict[str, torch.Tensor] | None = None  # per weight name, on the asymmetric 4-bit grid
 
     @property
     def quantization(self) -> dict | None:
@@ -95,14 +98,17 @@ def read_run(spec: str | Path, masks: Path | None = None) -> Run:
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     scales_path = path / SCALES_FILE
     scales = load_file(scales_path) if masks is None and scales_path.is_file() else None
+    zeros_path = path / ZEROS_FILE
+    zeros = load_file(zeros_path) if scales is not None and zeros_path.is_file() else None
     return Run(spec=str(spec), path=path, masks_file=found.resolve(), masks=load_masks(found), report=report,
-               scales=scales)
+               scales=scales, zeros=zeros)
 
 
 def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict,
-             scales: dict[str, torch.Tensor] | None = None) -> dict:
-    """Write the masked checkpoint, the masks, the quantization scales if any and the report into
-    `out_dir` (an atomic temp folder); returns the report as written."""
+             scales: dict[str, torch.Tensor] | None = None,
+             zeros: dict[str, torch.Tensor] | None = None) -> dict:
+    """Write the masked checkpoint, the masks, the quantization scales and zero points if any and the
+    report into `out_dir` (an atomic temp folder); returns the report as written."""
     apply_masks(model, mask_set)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -110,6 +116,8 @@ def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet
     save_masks(out_dir / MASKS_FILE, mask_set)
     if scales is not None:
         save_file({name: scale.contiguous() for name, scale in scales.items()}, str(out_dir / SCALES_FILE))
+    if zeros:
+        save_file({name: zero.contiguous() for name, zero in zeros.items()}, str(out_dir / ZEROS_FILE))
     full = run_report(mask_set, report)
     (out_dir / REPORT_FILE).write_text(json.dumps(full, indent=2) + "\n")
     return full

@@ -29,6 +29,10 @@ DECODE_DENSE_ENV = "LEAP_SPARSE_DECODE_DENSE"
 # "bf16" multiplies x as it is. The environment wins over the config.
 ACTIVATIONS_ENV = "LEAP_SPARSE_ACTIVATIONS"
 ACTIVATIONS = ("int8", "bf16")
+# bitmap-q4's grids: "asymmetric" layers (`quantize --grid asymmetric`) also store `X.zeros`, their zero
+# points.
+Q4_GRIDS = ("symmetric", "asymmetric")
+Q4_ZERO_POINTS = "zeros"
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,15 @@ class LeapSparseSettings:
     decode_dense: bool = False
     activations: str = ACTIVATIONS[0]
     lm_head_format: str = ""  # a key of LM_HEAD_FORMATS, or "" when lm_head is dense or in `fmt`
+    grid: str = Q4_GRIDS[0]  # bitmap-q4's grid
 
     def layer_tensors(self, lm_head: bool) -> tuple[str, tuple[str, ...]]:
         """(format, stored tensor names) of one layer: lm_head's own format where it has one."""
         fmt = self.lm_head_format if lm_head and self.lm_head_format else self.fmt
-        return fmt, {**SERVABLE_FORMATS, **LM_HEAD_FORMATS}[fmt]
+        names = {**SERVABLE_FORMATS, **LM_HEAD_FORMATS}[fmt]
+        if fmt == "bitmap-q4" and self.grid == "asymmetric":
+            names += (Q4_ZERO_POINTS,)
+        return fmt, names
 
     def to_config(self) -> dict:
         """The `quantization_config` entry of config.json."""
@@ -57,6 +65,8 @@ class LeapSparseSettings:
             config["activations"] = self.activations
         if self.lm_head_format:
             config["lm_head_format"] = self.lm_head_format
+        if self.grid != Q4_GRIDS[0]:
+            config["grid"] = self.grid
         return config
 
     @classmethod
@@ -72,7 +82,7 @@ class LeapSparseSettings:
             raise ValueError(f"{QUANT_METHOD}: activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
         return cls(fmt=config["format"], sparsity=float(config.get("sparsity", 0.0)),
                    ignore=tuple(config.get("ignore", ())), decode_dense=decode_dense, activations=activations,
-                   lm_head_format=config.get("lm_head_format", ""))
+                   lm_head_format=config.get("lm_head_format", ""), grid=config.get("grid", Q4_GRIDS[0]))
 
 
 def serving_problem(quantization_config: dict | None) -> str | None:
@@ -88,4 +98,7 @@ def serving_problem(quantization_config: dict | None) -> str | None:
     head = quantization_config.get("lm_head_format", "")
     if head and head not in LM_HEAD_FORMATS:
         return f"lm_head format {head!r} is not servable; the plugin serves {', '.join(LM_HEAD_FORMATS)}"
+    grid = quantization_config.get("grid", Q4_GRIDS[0])
+    if grid not in Q4_GRIDS or (grid != Q4_GRIDS[0] and fmt != "bitmap-q4"):
+        return f"grid {grid!r} is not servable with format {fmt!r} (bitmap-q4 serves {', '.join(Q4_GRIDS)})"
     return None

@@ -38,7 +38,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
-from serving.contract import QUANT_METHOD, LeapSparseSettings
+from serving.contract import Q4_ZERO_POINTS, QUANT_METHOD, LeapSparseSettings
 from serving.huge_pages import huge_page_copy
 from serving.int8_linear import Int8Weight, OneDNNInt8, int8_rows_linear, onednn_int8_available
 from serving.q4_linear import Q4Weight, bitmap_q4_linear
@@ -49,7 +49,7 @@ logger = init_logger(f"vllm.plugins.{__name__}")  # under "vllm" so that vLLM's 
 
 _INDEX_DTYPES = {"shape": torch.int64, "bitmap": torch.uint8, "row_offsets": torch.int64,
                  "col_indices": torch.int32, "row_ptr": torch.int64, "codes": torch.uint8,
-                 "scales": torch.float16, "qweight": torch.int8}
+                 "scales": torch.float16, "qweight": torch.int8, Q4_ZERO_POINTS: torch.uint8}
 # The runtime weight of each servable format (the loader's placeholders only stash what they receive).
 _WEIGHTS = {"bitmap": BitmapWeight, "csr": BitmapWeight, "bitmap-q4": Q4Weight, "int8-rows": Int8Weight}
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -262,13 +262,15 @@ class LeapSparseLinearMethod(LinearMethodBase):
                 return layer.leap_int8(x, bias)
             return int8_rows_linear(x, layer.qweight, layer.scales, bias)
         if getattr(layer, "leap_q4", False):
+            zeros = getattr(layer, Q4_ZERO_POINTS, None)  # the asymmetric grid's
             if layer.leap_pairs:
                 return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(
                     x, layer.masks, layer.codes, layer.block_offsets, layer.scales, layer.leap_n_rows,
-                    layer.leap_n_cols, bias)
+                    layer.leap_n_cols, bias, zeros)
             native = layer.leap_native and x.dtype in (torch.bfloat16, torch.float32)
             op = torch.ops.leap_sparse_cpu.bitmap_q4_linear if native else bitmap_q4_linear
-            return op(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets, layer.leap_n_cols, bias)
+            return op(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets, layer.leap_n_cols, bias,
+                      zeros)
         if layer.leap_tiled is not None:
             tensors, names, n_rows = layer.leap_tiled
             return tiled_bitmap_linear(x, tensors, names, n_rows, bias)

@@ -1,5 +1,6 @@
 """The 4-bit sparse weight (`bitmap-q4`: bitmap, 4-bit codes of the kept weights, an fp16 scale per row and
-group) that `leap_sparse` layers hold, and its portable op.
+group, and on the asymmetric grid a zero point per row and group) that `leap_sparse` layers hold, and its
+portable op.
 
 On CPU the layers call the native kernel `torch.ops.leap_sparse_cpu.bitmap_q4_linear` (`serving.cpu_kernel`),
 which reads this layout as stored, or, with int8 activations (the default where the CPU has AVX-512 VNNI),
@@ -33,37 +34,41 @@ def int8_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def decode(bitmap: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_offsets: torch.Tensor,
-           n_cols: int) -> torch.Tensor:
-    """The dense fp32 weight [rows, n_cols] on the tensors' device."""
+           n_cols: int, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense fp32 weight [rows, n_cols] on the tensors' device (`zeros`: the stored zero points)."""
     shape = torch.tensor([bitmap.shape[0], n_cols], dtype=torch.int64)
-    return Q4.decode({"shape": shape, "bitmap": bitmap, "codes": codes, "scales": scales,
-                      "row_offsets": row_offsets})
+    tensors = {"shape": shape, "bitmap": bitmap, "codes": codes, "scales": scales, "row_offsets": row_offsets}
+    if zeros is not None:
+        tensors["zeros"] = zeros
+    return Q4.decode(tensors)
 
 
 @torch.library.custom_op("leap_sparse::bitmap_q4_linear", mutates_args=())
 def bitmap_q4_linear(x: torch.Tensor, bitmap: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     row_offsets: torch.Tensor, n_cols: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     row_offsets: torch.Tensor, n_cols: int, bias: torch.Tensor | None = None,
+                     zeros: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b for W in the bitmap-q4 layout, decoded per call (the weight in x's dtype)."""
-    weight = decode(bitmap, codes, scales, row_offsets, n_cols).to(x.dtype)
+    weight = decode(bitmap, codes, scales, row_offsets, n_cols, zeros).to(x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 @bitmap_q4_linear.register_fake
-def _bitmap_q4_linear_fake(x, bitmap, codes, scales, row_offsets, n_cols, bias=None):
+def _bitmap_q4_linear_fake(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None):
     return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
 
 @dataclass
 class Q4Weight:
     """A [rows, n_cols] bitmap-q4 weight with the slicing tensor parallelism needs: row ranges for
-    column-parallel layers, column ranges (whole groups, re-packed) for row-parallel ones."""
+    column-parallel layers, column ranges (whole groups, re-packed) for row-parallel ones. `zeros` (the
+    stored zero points) is None on the symmetric grid."""
 
     bitmap: torch.Tensor
     codes: torch.Tensor
     scales: torch.Tensor
     row_offsets: torch.Tensor
     n_cols: int
+    zeros: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -74,8 +79,11 @@ class Q4Weight:
         return self.n_cols // self.scales.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"shape": torch.tensor([self.rows, self.n_cols], dtype=torch.int64), "bitmap": self.bitmap,
-                "codes": self.codes, "scales": self.scales, "row_offsets": self.row_offsets}
+        tensors = {"shape": torch.tensor([self.rows, self.n_cols], dtype=torch.int64), "bitmap": self.bitmap,
+                   "codes": self.codes, "scales": self.scales, "row_offsets": self.row_offsets}
+        if self.zeros is not None:
+            tensors["zeros"] = self.zeros
+        return tensors
 
     @classmethod
     def from_tensors(cls, fmt: str, tensors: dict[str, torch.Tensor]) -> "Q4Weight":
@@ -83,7 +91,7 @@ class Q4Weight:
         with the format's message instead of computing garbage."""
         Q4.check(tensors)
         return cls(tensors["bitmap"], tensors["codes"], tensors["scales"], tensors["row_offsets"],
-                   int(tensors["shape"][1]))
+                   int(tensors["shape"][1]), tensors.get("zeros"))
 
     def check(self) -> None:
         """The whole layout (offsets, counts, padding, scales), as the format checks it; raises its error.
@@ -96,36 +104,44 @@ class Q4Weight:
     def slice_rows(self, start: int, stop: int) -> "Q4Weight":
         first = self._row_end(start)
         return Q4Weight(self.bitmap[start:stop], self.codes[first:self._row_end(stop)],
-                        self.scales[start:stop], self.row_offsets[start:stop] - first, self.n_cols)
+                        self.scales[start:stop], self.row_offsets[start:stop] - first, self.n_cols,
+                        None if self.zeros is None else self.zeros[start:stop])
 
     def slice_cols(self, start: int, stop: int) -> "Q4Weight":
         group = self.group_size
         if start % group or stop % group:
             raise ValueError(f"a column slice {start}:{stop} must cut whole groups of {group} columns")
         codes, scales, mask = Q4.unpack(self.tensors())
-        packed = Q4.pack(codes[:, start:stop].contiguous(), scales[:, start // group:stop // group],
-                         mask[:, start:stop].contiguous())
+        zeros = Q4.zero_points(self.tensors())
+        groups = slice(start // group, stop // group)
+        packed = Q4.pack(codes[:, start:stop].contiguous(), scales[:, groups],
+                         mask[:, start:stop].contiguous(), None if zeros is None else zeros[:, groups])
         return Q4Weight(packed["bitmap"], packed["codes"], packed["scales"], packed["row_offsets"],
-                        stop - start)
+                        stop - start, packed.get("zeros"))
 
     @classmethod
     def cat_rows(cls, parts: list["Q4Weight"]) -> "Q4Weight":
         """Stack weights with equal columns and groups (q/k/v into qkv, gate/up into gate_up)."""
-        if len({(p.n_cols, p.group_size) for p in parts}) != 1:
-            raise ValueError(f"cannot stack weights with {sorted({(p.n_cols, p.group_size) for p in parts})} "
-                             f"(columns, group size)")
+        kinds = {(p.n_cols, p.group_size, p.zeros is not None) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot stack weights with {sorted(kinds)} (columns, group size, zero points)")
         starts = torch.tensor([0] + [p.codes.numel() for p in parts[:-1]]).cumsum(0).tolist()
         offsets = [p.row_offsets + s for p, s in zip(parts, starts, strict=True)]
+        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
         return cls(torch.cat([p.bitmap for p in parts]), torch.cat([p.codes for p in parts]),
-                   torch.cat([p.scales for p in parts]), torch.cat(offsets).to(torch.int32), parts[0].n_cols)
+                   torch.cat([p.scales for p in parts]), torch.cat(offsets).to(torch.int32), parts[0].n_cols,
+                   zeros)
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "Q4Weight":
         """On `device`, each tensor contiguous and owning its memory (`dtype`: unused, codes stay codes)."""
-        return Q4Weight(*(t.to(device).contiguous().clone()
-                          for t in (self.bitmap, self.codes, self.scales, self.row_offsets)), self.n_cols)
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device).contiguous().clone()
+
+        return Q4Weight(*(moved(t) for t in (self.bitmap, self.codes, self.scales, self.row_offsets)),
+                        self.n_cols, None if self.zeros is None else moved(self.zeros))
 
     def dense(self) -> torch.Tensor:
-        return decode(self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols)
+        return decode(self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros)
 
     def pairs(self) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups)."""
@@ -134,8 +150,7 @@ class Q4Weight:
         return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols)
 
     def nbytes(self) -> int:
-        parts = (self.bitmap, self.codes, self.scales, self.row_offsets)
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "shape")
 
 
 @dataclass

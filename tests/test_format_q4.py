@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparse_formats import FormatError, get_format, nbytes
-from sparse_formats.bitmap_q4 import absmax_scales, dequantize, quantize_codes
+from sparse_formats.bitmap_q4 import absmax_scales, dequantize, quantize_codes, unpack_zeros
 
 Q4 = get_format("bitmap-q4")
 
@@ -47,6 +47,41 @@ def test_codes_and_scales_round_trip_exactly(rows, words, group_words, density, 
     assert torch.equal(got_codes[mask], codes[mask])
     assert torch.equal(got_scales.view(torch.int16), scales.view(torch.int16))
     assert torch.equal(Q4.decode(tensors), dequantize(codes, scales, mask))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 20), groups=st.integers(1, 7), group_words=st.sampled_from([1, 2, 4]),
+       density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
+def test_zero_points_round_trip_exactly_two_to_a_byte(rows, groups, group_words, density, seed):
+    group_size = 32 * group_words
+    _, mask, codes, scales = case(rows, groups * group_size, density, seed, group_size)
+    gen = torch.Generator().manual_seed(seed)
+    zeros = torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.uint8)
+    tensors = Q4.pack(codes, scales, mask, zeros)
+    Q4.check(tensors)
+    packed = tensors["zeros"]
+    assert packed.shape == (rows, (groups + 1) // 2)
+    assert torch.equal(packed[:, 0] & 0xF, zeros[:, 0])  # group 0 in the low nibble of byte 0
+    assert torch.equal(Q4.zero_points(tensors), zeros) and torch.equal(unpack_zeros(packed, groups), zeros)
+    level = codes.float() - zeros.float().repeat_interleave(group_size, dim=1)
+    plain = torch.where(mask, scales.float().repeat_interleave(group_size, dim=1) * level, 0.0)
+    assert torch.equal(Q4.decode(tensors), plain)
+
+
+def test_a_weight_on_an_asymmetric_grid_encodes_back_to_its_codes_scales_and_zeros():
+    _, mask, codes, scales = case(12, 192, 0.5, seed=11)
+    zeros = torch.randint(0, 16, scales.shape, generator=torch.Generator().manual_seed(12), dtype=torch.uint8)
+    first = Q4.pack(codes, scales, mask, zeros)
+    again = Q4.encode(Q4.decode(first), mask, scales=scales, zeros=zeros)
+    for key in first:
+        assert torch.equal(first[key], again[key]), key
+    off = Q4.decode(first)
+    row, col = (int(i) for i in mask.nonzero()[4])
+    off[row, col] += float(scales[row, col // 64]) * 0.25
+    with pytest.raises(ValueError, match=rf"kept weight \[{row}, {col}\].*not on the grid"):
+        Q4.encode(off, mask, scales=scales, zeros=zeros)
+    with pytest.raises(ValueError, match="zero points must be uint8 0..15"):
+        Q4.encode(Q4.decode(first), mask, scales=scales, zeros=zeros + 16)
 
 
 def test_layout_matches_a_plain_encoder():
@@ -146,6 +181,28 @@ def test_check_rejects_corruption(key, edit, message):
         Q4.check(corrupted(key, edit))
 
 
+def corrupted_zeros(edit) -> dict[str, torch.Tensor]:
+    _, mask, codes, scales = case(9, 192, 0.5, seed=13)  # three groups: the last byte has a padding nibble
+    tensors = Q4.pack(codes, scales, mask, torch.full(scales.shape, 8, dtype=torch.uint8))
+    tensors["zeros"] = edit(tensors["zeros"].clone())
+    return tensors
+
+
+def set_padding(tensor):
+    tensor[4, 1] |= 0x50
+    return tensor
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t[:, :1], "zeros have shape"),
+    (lambda t: t.to(torch.int16), "zeros has dtype"),
+    (set_padding, "zeros row 4 has a nonzero padding nibble"),
+], ids=["shape", "dtype", "padding"])
+def test_check_names_corrupt_zero_points(edit, message):
+    with pytest.raises(FormatError, match=message):
+        Q4.check(corrupted_zeros(edit))
+
+
 def test_check_rejects_a_nonzero_padding_nibble():
     _, mask, codes, scales = case(6, 64, 0.5, seed=7)
     mask[0, :32] = False
@@ -170,3 +227,8 @@ def test_bytes_per_weight_meet_the_budget_at_the_default_group(rows, cols, spars
     weight, _, _, _ = case(rows, cols, 0.0, seed=9)
     mask = torch.rand(rows, cols, generator=torch.Generator().manual_seed(10)) >= sparsity
     assert nbytes(Q4.encode(weight, mask)) / (rows * cols) <= budget
+    # the asymmetric grid adds its zero points (half a byte per group) and stays within the budget
+    scales = absmax_scales(weight, mask, 64)
+    zeros = torch.full(scales.shape, 7, dtype=torch.uint8)
+    codes = quantize_codes(weight, scales, zeros)
+    assert nbytes(Q4.pack(codes, scales, mask, zeros)) / (rows * cols) <= budget

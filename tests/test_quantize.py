@@ -30,7 +30,7 @@ def weight_and_mask(rows: int, cols: int, seed: int, density: float = 0.5):
 
 def test_rtn_puts_kept_weights_on_the_grid_and_zeros_the_rest():
     weight, mask = weight_and_mask(24, 128, seed=0)
-    quantized, scales = rtn_quantize(weight, mask, 64)
+    quantized, scales, _ = rtn_quantize(weight, mask, 64)
     assert bool((quantized[~mask] == 0).all())
     Q4.encode(quantized, mask, scales=scales)  # raises if any kept weight is off its scale's grid
 
@@ -46,8 +46,8 @@ def test_the_scale_search_never_loses_to_plain_absmax():
 def test_gptq_with_a_diagonal_hessian_is_round_to_nearest():
     weight, mask = weight_and_mask(16, 256, seed=2)
     hessian = torch.diag(torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5)
-    got, got_scales = gptq_quantize(weight, mask, hessian, 64)
-    expected, expected_scales = rtn_quantize(weight, mask, 64)
+    got, got_scales, _ = gptq_quantize(weight, mask, hessian, 64)
+    expected, expected_scales, _ = rtn_quantize(weight, mask, 64)
     assert torch.equal(got_scales, expected_scales)
     assert torch.equal(got, expected)
 
@@ -59,8 +59,8 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs():
         + 0.1 * torch.randn(2048, 256, generator=gen)
     hessian = 2 * x.T @ x / x.shape[0]
     target = x @ (weight * mask).T
-    gptq, scales = gptq_quantize(weight * mask, mask, hessian, 64)
-    rtn, _ = rtn_quantize(weight, mask, 64)
+    gptq, scales, _ = gptq_quantize(weight * mask, mask, hessian, 64)
+    rtn, _, _ = rtn_quantize(weight, mask, 64)
     Q4.encode(gptq, mask, scales=scales)
     assert bool((gptq[~mask] == 0).all())
     assert float((x @ gptq.T - target).norm()) < 0.7 * float((x @ rtn.T - target).norm())
@@ -87,8 +87,8 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
     masks = {name: mask for name, mask in magnitude_masks(model, 0.5).items() if "down_proj" not in name}
     mask_set = MaskSet(masks=masks, model=str(stories260k_dir))
     apply_masks(model, mask_set)
-    scales = quantize_model(model, mask_set, "rtn", 64)
-    scales[LM_HEAD] = quantize_lm_head(model, 4, 64)  # tied to the input embedding: the tie must hold
+    scales, _ = quantize_model(model, mask_set, "rtn", 64)
+    scales[LM_HEAD], _ = quantize_lm_head(model, 4, 64)  # tied to the input embedding: the tie must hold
     masks[LM_HEAD] = torch.ones(model.lm_head.weight.shape, dtype=torch.bool)
 
     def codes(name: str, layer_scales: torch.Tensor) -> torch.Tensor:
@@ -282,7 +282,73 @@ def test_validate_names_a_damaged_layer(q4_export, tmp_path, edit, target, kind,
     assert any(c.kind == kind and message in c.detail for c in failed), report.failures
 
 
+@pytest.fixture(scope="module")
+def asymmetric_export(wanda_run, tmp_path_factory):
+    """`--grid asymmetric` with lm_head on the same 4-bit grid (every weight kept: the dense layout)."""
+    root = tmp_path_factory.mktemp("asym")
+    done = leapctl("quantize", str(wanda_run), "--grid", "asymmetric", "--lm-head-bits", "4", "--nsamples",
+                   "8", "--seq-len", "64", "--tune-steps", "20", "--out", str(root / "run"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "asymmetric grid" in done.stdout
+    done = leapctl("export", str(root / "run"), "--format", "bitmap-q4", "--out", str(root / "export"))
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+def test_the_asymmetric_grid_holds_every_kept_weight_and_its_zero_points(asymmetric_export):
+    from leapctl.runs import read_run
+
+    run = read_run(str(asymmetric_export / "run"))
+    assert run.quantization["grid"] == "asymmetric" and run.zeros.keys() == run.scales.keys()
+    weights = load_file(str(asymmetric_export / "run" / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied
+    everything = torch.ones(weights["lm_head.weight"].shape, dtype=torch.bool)
+    masks = {**run.masks.masks, "lm_head.weight": everything}
+    used = set()
+    for name, mask in masks.items():
+        zeros = run.zeros[name]
+        assert zeros.dtype == torch.uint8 and zeros.shape == run.scales[name].shape and int(zeros.max()) < 16
+        Q4.encode(weights[name], mask, scales=run.scales[name], zeros=zeros)  # raises if off the grid
+        used |= set(zeros.unique().tolist())
+    assert len(used) > 2  # the zero points follow the groups, not one fixed offset
+
+
+def test_an_asymmetric_export_validates_and_names_its_grid(asymmetric_export):
+    from leapctl.commands.validate import validate
+
+    export = asymmetric_export / "export"
+    config = json.loads((export / "config.json").read_text())["quantization_config"]
+    assert config["grid"] == "asymmetric" and "lm_head_format" not in config
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert all(f"{layer}.zeros" in info["tensors"] for layer, info in manifest["layers"].items())
+    report = validate(str(export), end_to_end=True)
+    assert report.ok, report.failures
+    assert any(c.kind == "sparse-linear" and c.target == "lm_head" and c.ok for c in report.checks)
+
+
+def flip_zero(tensors, layer):
+    tensors[f"{layer}.zeros"][3, 0] ^= 0x01
+
+
+def padding_zero(tensors, _layer):
+    """A nibble after the last group of a layer with an odd group count (stories260K's 64 columns: one)."""
+    tensors["model.layers.0.self_attn.k_proj.zeros"][0, 0] |= 0x10
+
+
+@pytest.mark.parametrize(("edit", "target", "kind", "message"), [
+    (flip_zero, "model.layers.1.self_attn.q_proj", "decode", "weights differ from the reference"),
+    (padding_zero, "model.layers.0.self_attn.k_proj", "format", "nonzero padding nibble"),
+], ids=["zero", "zero-padding"])
+def test_validate_names_a_damaged_zero_point(asymmetric_export, tmp_path, edit, target, kind, message):
+    from leapctl.commands.validate import validate
+
+    report = validate(damaged_export(asymmetric_export / "export", tmp_path, edit), end_to_end=False)
+    failed = [c for c in report.failures if c.target == target]
+    assert any(c.kind == kind and message in c.detail for c in failed), report.failures
+
+
 @pytest.mark.parametrize(("args", "message"), [
+    (["--grid", "nf4"], "unknown --grid 'nf4'"),
     (["--bits", "3"], "--bits 3 is not supported"),
     (["--lm-head-bits", "6"], "--lm-head-bits 6 is not supported"),
     (["--group-size", "48"], "multiple of 32"),

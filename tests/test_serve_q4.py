@@ -25,9 +25,9 @@ MAX_TOKENS = 24
 MEMORY_LINE = r"leap_sparse: (\d+) sparse linear layers hold (\d+) bytes, ([\d.]+)x of (\d+) dense bytes"
 
 
-def q4_checkpoint(root, stories260k_dir, head_bits: int):
-    """(quantized run folder, its bitmap-q4 export): magnitude 50%, then round to nearest, group 64, with
-    lm_head on the `head_bits` grid too (served through the plugin, untied from the embedding)."""
+def q4_checkpoint(root, stories260k_dir, head_bits: int, grid: str = "symmetric"):
+    """(quantized run folder, its bitmap-q4 export): magnitude 50%, then round to nearest on `grid`, group
+    64, with lm_head on the `head_bits` grid too (served through the plugin, untied from the embedding)."""
     from test_serve_cli import magnitude_masks
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -43,12 +43,15 @@ def q4_checkpoint(root, stories260k_dir, head_bits: int):
     model = AutoModelForCausalLM.from_config(config).eval()
     masks = MaskSet(masks=magnitude_masks(model, 0.5), model="tiny-llama")
     apply_masks(model, masks)
-    scales = quantize_model(model, masks, "rtn", 64)
-    scales[LM_HEAD] = quantize_lm_head(model, head_bits, 64)  # tied: the embedding takes the same values
+    scales, zeros = quantize_model(model, masks, "rtn", 64, grid=grid)
+    scales[LM_HEAD], head_zeros = quantize_lm_head(model, head_bits, 64, grid)  # tied: the embedding too
+    if head_zeros is not None:
+        zeros[LM_HEAD] = head_zeros
     run_dir, export_dir = root / "run", root / "sparse"  # the served model is named after the folder
     run_dir.mkdir()
-    save_run(run_dir, model, AutoTokenizer.from_pretrained(stories260k_dir), masks,
-             {"quantization": quantization_entry(4, 64, "rtn", lm_head_bits=head_bits)}, scales=scales)
+    entry = quantization_entry(4, 64, "rtn", lm_head_bits=head_bits, grid=grid)
+    save_run(run_dir, model, AutoTokenizer.from_pretrained(stories260k_dir), masks, {"quantization": entry},
+             scales=scales, zeros=zeros)
     export(str(run_dir), "bitmap-q4", export_dir)
     return run_dir, export_dir
 
@@ -61,6 +64,11 @@ def q4_checkpoints(tmp_path_factory, stories260k_dir):
 @pytest.fixture(scope="module")
 def head8_checkpoints(tmp_path_factory, stories260k_dir):
     return q4_checkpoint(tmp_path_factory.mktemp("q4-head8-serve"), stories260k_dir, 8)
+
+
+@pytest.fixture(scope="module")
+def asymmetric_checkpoints(tmp_path_factory, stories260k_dir):
+    return q4_checkpoint(tmp_path_factory.mktemp("q4-asym-serve"), stories260k_dir, 4, "asymmetric")
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -138,5 +146,29 @@ def test_an_8_bit_lm_head_serves_the_reference_greedy_text(head8_checkpoints, tm
         found = re.search(MEMORY_LINE, server.log())
         assert found, server.log()[-2000:]
         assert int(found.group(1)) == 2 * 4 + 1  # qkv, o, gate_up and down in each block, and lm_head
+    finally:
+        stop_leapctl_serve(server)
+
+
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
+def test_the_asymmetric_grid_serves_the_reference_greedy_text(asymmetric_checkpoints, tmp_path, activations):
+    """Zero points per row and group on every 4-bit layer, lm_head included (its dense layout): the int8
+    kernel (decoding steps and prefill) and the bf16 one both serve transformers' greedy text."""
+    from serving import cpu_kernel
+
+    if activations == "int8" and not cpu_kernel.int8_kernel_available():
+        pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI: the layers serve bf16 x")
+    run_dir, export_dir = asymmetric_checkpoints
+    config = json.loads((export_dir / "config.json").read_text())["quantization_config"]
+    assert config["grid"] == "asymmetric"
+    server = start_leapctl_serve(export_dir, tmp_path / "serve.log",
+                                 extra_leapctl=["--activations", activations])
+    try:
+        assert f"prefill and decoding steps with {activations} x" in server.log()
+        for prompt in PROMPTS:
+            served = greedy_completion(server, "sparse", prompt, MAX_TOKENS)
+            expected = transformers_greedy(run_dir, served["prompt_token_ids"], MAX_TOKENS,
+                                           int8_rounded if activations == "int8" else None)
+            assert served["token_ids"] == expected, prompt
     finally:
         stop_leapctl_serve(server)

@@ -60,25 +60,28 @@ def run(config: QuantizeConfig) -> dict:
     started = time.perf_counter()
     options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
                                                        progress=config.progress)
-    scales = quantize_model(model, source.masks, config.method, config.group_size, calib_ids, **options)
+    scales, zeros = quantize_model(model, source.masks, config.method, config.group_size, calib_ids,
+                                   config.grid, **options)
     if config.lm_head_bits == 4:  # before tuning, which then learns its scales with the rest
-        scales[LM_HEAD] = quantize_lm_head(model, 4, config.group_size)
+        scales[LM_HEAD], head_zeros = quantize_lm_head(model, 4, config.group_size, config.grid)
+        if head_zeros is not None:
+            zeros[LM_HEAD] = head_zeros
     quantize_seconds = time.perf_counter() - started
     tuning = None
     if config.tune_steps:
         scales, tuning = tune(model, tokenizer, teacher, scales, calib, config)
     if config.lm_head_bits == 8:  # after tuning: its 8-bit grid has no scales worth learning
-        scales[LM_HEAD] = quantize_lm_head(model, 8, config.group_size)
+        scales[LM_HEAD], _ = quantize_lm_head(model, 8, config.group_size)
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "quantization": quantization_entry(config.bits, config.group_size, config.method,
-                                                 config.lm_head_bits),
+                                                 config.lm_head_bits, config.grid),
               "calibration": calibration, "tuning": tuning, "device": config.device,
               "quantize_seconds": round(quantize_seconds, 3)}
     mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
                        extra={**source.masks.extra, "quantized": config.method})
     with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
-        saved = save_run(tmp, model, tokenizer, mask_set, report, scales=scales)
+        saved = save_run(tmp, model, tokenizer, mask_set, report, scales=scales, zeros=zeros)
         if tuning is not None:
             plot_curve(tuning["kl"], "tuning step", "KL(dense || quantized)", "scale tuning", tmp / TUNE_PLOT)
         return saved
@@ -121,5 +124,6 @@ def main(config: QuantizeConfig) -> int:
     layers = len(report["achieved_sparsity"]["per_layer"])
     head = f", lm_head {q['lm_head_bits']} bits" if q["lm_head_bits"] != 16 else ""
     typer.echo(f"{q['method']}: {layers} pruned layers quantized to {q['bits']} bits (group "
-               f"{q['group_size']}){head} in {report['quantize_seconds']:.1f}s -> {config.out}")
+               f"{q['group_size']}, {q['grid']} grid){head} in {report['quantize_seconds']:.1f}s -> "
+               f"{config.out}")
     return 0

@@ -13,7 +13,7 @@ import torch
 from leapctl.errors import LeapctlError
 from leapctl.exporters.base import Report, ValidateOptions, compute_paths, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
-from leapctl.quantize import LM_HEAD, lm_head_bits
+from leapctl.quantize import ASYMMETRIC, LM_HEAD, SYMMETRIC, lm_head_bits
 from leapctl.runs import Run
 from serving.contract import LeapSparseSettings
 from sparse_formats import get_format
@@ -63,12 +63,17 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
         if name not in source.scales:
             raise ValueError("the run has no scales for it")
-        codec = get_format(self.layer_format(source, name))
-        return codec.encode(weight, mask, scales=source.scales[name])
+        fmt = self.layer_format(source, name)
+        if fmt == HEAD_INT8:
+            return get_format(fmt).encode(weight, mask, scales=source.scales[name])
+        zeros = (source.zeros or {}).get(name)
+        return get_format(fmt).encode(weight, mask, scales=source.scales[name], zeros=zeros)
 
-    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+    def quantization_config(self, source: Run, ignore: list[str], sparsity: float,
+                            layer_formats: dict[str, str]) -> dict:
         return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore),
-                                  lm_head_format=layer_formats.get("lm_head", "")).to_config()
+                                  lm_head_format=layer_formats.get("lm_head", ""),
+                                  grid=grid_of(source)).to_config()
 
     def check_compute(self, manifest: dict, tensors: dict, layers: dict[str, torch.Tensor], report: Report,
                       options: ValidateOptions) -> None:
@@ -97,7 +102,8 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
                 self._check_ops(layer, weight, ops, int8_rows_activations, report, gen)
                 continue
             stored = Q4Weight.from_tensors(self.name, parts)
-            args = (stored.bitmap, stored.codes, stored.scales, stored.row_offsets, stored.n_cols)
+            args = (stored.bitmap, stored.codes, stored.scales, stored.row_offsets, stored.n_cols, None,
+                    stored.zeros)
             ops = {name: partial(_call_in, active, bitmap_q4_linear if name == "decode"
                                  else torch.ops.leap_sparse_cpu.bitmap_q4_linear, args)
                    for name, active in q4_paths.items()}
@@ -124,6 +130,11 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
         report.add("sparse-linear", layer, not wrong,
                    "; ".join(wrong) if wrong else f"max |difference| {worst:.3g} of the output's scale "
                                                   f"(fp32, bf16; {', '.join(ops)})")
+
+
+def grid_of(run: Run) -> str:
+    """The 4-bit grid a quantized run's kept weights sit on: asymmetric where it holds zero points."""
+    return ASYMMETRIC if run.zeros else SYMMETRIC
 
 
 def _call_in(active, op, args: tuple, x: torch.Tensor) -> torch.Tensor:

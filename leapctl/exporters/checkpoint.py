@@ -41,7 +41,8 @@ class SparseCheckpointExporter(Exporter):
     stored_names: dict[str, str] = {}  # codec tensor name -> name on disk, where they differ
 
     @abstractmethod
-    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+    def quantization_config(self, source: Run, ignore: list[str], sparsity: float,
+                            layer_formats: dict[str, str]) -> dict:
         """The `quantization_config` entry of the exported config.json (`layer_formats`: the layers stored in
         another codec than the target's, e.g. {"lm_head": "int8-rows"})."""
 
@@ -113,7 +114,7 @@ class SparseCheckpointExporter(Exporter):
             config_dict["dtype"] = dtype_name(options.dtype)
             config_dict.pop("torch_dtype", None)
         sparsity = source.masks.sparsity()["global"]
-        config_dict["quantization_config"] = self.quantization_config(ignore, sparsity, layer_formats)
+        config_dict["quantization_config"] = self.quantization_config(source, ignore, sparsity, layer_formats)
         (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
 
         def size(name: str) -> int:

@@ -4,6 +4,7 @@ vLLM refuses sparsity configs (facts.md), so nothing here serves it."""
 
 from leapctl.exporters.base import register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
+from leapctl.runs import Run
 
 
 class CompressedTensorsExporter(SparseCheckpointExporter):
@@ -14,7 +15,8 @@ class CompressedTensorsExporter(SparseCheckpointExporter):
     codec_name = "bitmap"
     stored_names = {"bitmap": "bitmask", "values": "compressed"}
 
-    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+    def quantization_config(self, source: Run, ignore: list[str], sparsity: float,
+                            layer_formats: dict[str, str]) -> dict:
         sparsity_config = {"format": "sparse-bitmask", "targets": ["Linear"], "ignore": ignore,
                            "global_sparsity": sparsity, "sparsity_structure": "unstructured"}
         try:

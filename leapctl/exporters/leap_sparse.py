@@ -8,6 +8,7 @@ import torch
 
 from leapctl.exporters.base import Report, ValidateOptions, compute_paths, register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
+from leapctl.runs import Run
 from serving.contract import LeapSparseSettings
 
 # (rtol, atol relative to the output's scale) for comparing a matmul done two ways in one dtype
@@ -21,7 +22,8 @@ class LeapSparseExporter(SparseCheckpointExporter):
         self.name = self.codec_name = fmt
         self.summary = summary
 
-    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+    def quantization_config(self, source: Run, ignore: list[str], sparsity: float,
+                            layer_formats: dict[str, str]) -> dict:
         return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore)).to_config()
 
     def check_compute(self, manifest: dict, tensors: dict, layers: dict[str, torch.Tensor], report: Report,

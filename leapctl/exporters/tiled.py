@@ -4,6 +4,7 @@ Triton kernel streams), one set of tensors per pruned layer in a Hugging Face ch
 
 from leapctl.exporters.base import register
 from leapctl.exporters.checkpoint import SparseCheckpointExporter
+from leapctl.runs import Run
 from serving.contract import LeapSparseSettings
 from sparse_formats.tiled_csl import VALUE_DTYPES as TILED_CSL_DTYPES
 
@@ -14,7 +15,8 @@ class TiledExporter(SparseCheckpointExporter):
         self.summary = summary
         self.value_dtypes = value_dtypes
 
-    def quantization_config(self, ignore: list[str], sparsity: float, layer_formats: dict[str, str]) -> dict:
+    def quantization_config(self, source: Run, ignore: list[str], sparsity: float,
+                            layer_formats: dict[str, str]) -> dict:
         return LeapSparseSettings(fmt=self.name, sparsity=sparsity, ignore=tuple(ignore)).to_config()
 
 

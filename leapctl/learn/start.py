@@ -100,4 +100,4 @@ def quantize_frozen(model: torch.nn.Module, config: LearnConfig) -> dict[str, to
                                                               device=linear.weight.device)
                                 for name, linear in linears.items()})
     check_group_size(everything, config.group_size)
-    return rtn_scales(model, everything, config.group_size)
+    return rtn_scales(model, everything, config.group_size)[0]

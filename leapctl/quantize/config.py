@@ -10,6 +10,7 @@ from leapctl.settings import setting
 SUPPORTED_BITS = (4,)
 LM_HEAD_BITS = (4, 8, 16)  # 16: lm_head left as it is
 METHODS = ("gptq", "rtn")
+SYMMETRIC, ASYMMETRIC = "symmetric", "asymmetric"  # the bitmap-q4 grids (leapctl.quantize.rtn.GRIDS)
 # Calibration of a run whose masks used none (magnitude pruning): the shipped general-purpose text.
 DEFAULT_CALIB = "wiki-summaries"
 
@@ -23,6 +24,8 @@ class QuantizeConfig:
     bits: int = setting(4, f"Bits per kept weight ({', '.join(map(str, SUPPORTED_BITS))}).")
     group_size: int = setting(64, "Input columns sharing one scale: a multiple of 32 that divides every "
                                   "pruned layer's columns (32, 64 or 128).")
+    grid: str = setting(SYMMETRIC, "symmetric (scale * (code - 7.5)) or asymmetric (scale * (code - zero), "
+                                   "a 4-bit zero point per group: 0.008 bytes per weight more at group 64).")
     method: str = setting("gptq", "gptq (error compensation with the mask fixed, calibrated block by "
                                   "block) or rtn (round to nearest, no calibration).")
     lm_head_bits: int = setting(8, "Bits of lm_head's weights: 8 (int8 codes, one fp16 scale per row; "
@@ -62,6 +65,8 @@ class QuantizeConfig:
                                f"{', '.join(map(str, LM_HEAD_BITS))})")
         if self.group_size <= 0 or self.group_size % 32:
             raise LeapctlError(f"--group-size must be a positive multiple of 32, got {self.group_size}")
+        if self.grid not in (SYMMETRIC, ASYMMETRIC):
+            raise LeapctlError(f"unknown --grid {self.grid!r} (choose from {SYMMETRIC}, {ASYMMETRIC})")
         if self.method not in METHODS:
             raise LeapctlError(f"unknown --method {self.method!r} (choose from {', '.join(METHODS)})")
         if self.tune_steps < 0 or not self.tune_lr > 0:

@@ -3,28 +3,33 @@ spread each column's error over the later columns with the inverse Hessian, as S
 sparsify-and-quantize does (its reference code quantizes the kept weights inside the same OBS update).
 
 A pruned weight's target is 0, a kept weight's its nearest grid level; the OBS step compensates both. A
-group's scale is searched (`rtn.search_scales`) on the group's kept weights as they stand when the
-group's first column is reached, so it sees the error already pushed into it by earlier groups. The
+group's scale (and zero point, on the asymmetric grid) is searched (`rtn.GRIDS`) on the group's kept
+weights as they stand when the group's first column is reached, so it sees the error already pushed into
+it by earlier groups. The
 Hessian is the one SparseGPT uses (`prune.sparsegpt.inverse_hessian_factor`)."""
 
 import torch
 from torch import nn
 
 from leapctl.prune.sparsegpt import PERCENT_DAMP, SparseGPTPruner, inverse_hessian_factor
-from leapctl.quantize.rtn import round_to_grid, search_scales
+from leapctl.quantize.rtn import GRIDS, SYMMETRIC, round_to_grid
 
 BLOCK_SIZE = 128
 
 
 def gptq_quantize(weight: torch.Tensor, mask: torch.Tensor, hessian: torch.Tensor, group_size: int,
-                  percdamp: float = PERCENT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 weight, kept entries on the grid and pruned ones +0.0; fp16 scales [rows, cols/group])."""
+                  percdamp: float = PERCENT_DAMP,
+                  grid: str = SYMMETRIC) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(fp32 weight, kept entries on the grid and pruned ones +0.0; fp16 scales [rows, cols/group]; uint8
+    zero points of the same shape on the asymmetric grid, else None)."""
     W = weight.detach().to(hessian.dtype).clone()
     rows, cols = W.shape
     keep = mask.to(W.device)
     U, dead = inverse_hessian_factor(hessian, percdamp)
     W[:, dead] = 0
+    search = GRIDS[grid]
     scales = torch.zeros(rows, cols // group_size, dtype=torch.float16, device=W.device)
+    zeros = None if grid == SYMMETRIC else torch.zeros(scales.shape, dtype=torch.uint8, device=W.device)
     blocksize = group_size * -(-BLOCK_SIZE // group_size)  # whole groups per block
     for start in range(0, cols, blocksize):
         end = min(start + blocksize, cols)
@@ -32,13 +37,16 @@ def gptq_quantize(weight: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
         Q1, Err1 = torch.zeros_like(W1), torch.zeros_like(W1)
         for i in range(end - start):
             column = start + i
+            group = column // group_size
             if column % group_size == 0:
-                group = column // group_size
                 span = slice(i, i + group_size)
-                scales[:, group] = search_scales(W1[:, span], keep[:, column:column + group_size],
-                                                 group_size)[:, 0]
+                found, zero = search(W1[:, span], keep[:, column:column + group_size], group_size)
+                scales[:, group] = found[:, 0]
+                if zeros is not None:
+                    zeros[:, group] = zero[:, 0]
             w = W1[:, i]
-            rounded = round_to_grid(w.unsqueeze(1), scales[:, column // group_size].unsqueeze(1))[:, 0]
+            rounded = round_to_grid(w.unsqueeze(1), scales[:, group].unsqueeze(1),
+                                    None if zeros is None else zeros[:, group].unsqueeze(1))[:, 0]
             q = torch.where(keep[:, column], rounded, torch.zeros_like(w))
             Q1[:, i] = q
             err = (w - q) / U1[i, i]
@@ -46,23 +54,26 @@ def gptq_quantize(weight: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
             Err1[:, i] = err
         W[:, start:end] = Q1
         W[:, end:] -= Err1 @ U[start:end, end:]
-    return W.float(), scales
+    return W.float(), scales, zeros
 
 
 class GPTQQuantizer(SparseGPTPruner):
     """Accumulates X^T X for one masked linear layer (SparseGPT's statistics, inherited), then quantizes its
     kept weights with the mask fixed; `sequential.prune_sequentially` drives it block by block."""
 
-    def __init__(self, linear: nn.Linear, mask: torch.Tensor, group_size: int, scales_out: dict, name: str):
+    def __init__(self, linear: nn.Linear, mask: torch.Tensor, group_size: int, scales_out: dict, name: str,
+                 grid: str = SYMMETRIC, zeros_out: dict | None = None):
         super().__init__(linear)
-        self.mask, self.group_size = mask, group_size
-        self.scales_out, self.name = scales_out, name
+        self.mask, self.group_size, self.grid = mask, group_size, grid
+        self.scales_out, self.zeros_out, self.name = scales_out, zeros_out, name
 
     @torch.no_grad()
     def prune(self, sparsity: float) -> torch.Tensor:
         """Quantize in place and return the (unchanged) keep-mask; `sparsity` is the mask's own."""
-        weight, scales = gptq_quantize(self.linear.weight, self.mask, self.take_hessian(), self.group_size,
-                                       self.percdamp)
+        weight, scales, zeros = gptq_quantize(self.linear.weight, self.mask, self.take_hessian(),
+                                              self.group_size, self.percdamp, self.grid)
         self.linear.weight.copy_(weight.to(self.linear.weight.dtype))
         self.scales_out[self.name] = scales.cpu()
+        if zeros is not None and self.zeros_out is not None:
+            self.zeros_out[self.name] = zeros.cpu()
         return self.mask.cpu()

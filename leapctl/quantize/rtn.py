@@ -1,28 +1,41 @@
-"""Round to nearest on the `bitmap-q4` grid, for the kept weights of a masked layer.
+"""Round to nearest on a `bitmap-q4` grid, for the kept weights of a masked layer.
 
-A group's scale is the one of `CLIP_STEPS` candidates (absmax/7.5 shrunk by 0% to 25%) whose grid puts
-the group's kept weights closest in squared error: clipping the one largest weight often buys a finer
-grid for all the others (llama.cpp's and GPTQ's `mse` scale searches do the same). Pruned weights play
-no part: their grid position is never stored."""
+Two grids (`GRIDS`): symmetric, `scale * (code - 7.5)`, and asymmetric, `scale * (code - zero)` with an
+integer zero point per group. A group's parameters are the one of `CLIP_STEPS` candidates (the kept
+weights' range shrunk by 0% to 25%) whose grid puts the group's kept weights closest in squared error:
+clipping the one largest weight often buys a finer grid for all the others (llama.cpp's and GPTQ's `mse`
+scale searches do the same). Pruned weights play no part: their grid position is never stored."""
+
+from collections.abc import Callable
 
 import torch
 
-from sparse_formats.bitmap_q4 import GRID_OFFSET, LEVELS, check_group_size
+from leapctl.quantize.config import ASYMMETRIC, SYMMETRIC
+from sparse_formats.bitmap_q4 import GRID_OFFSET, LEVELS, check_group_size, grid_offset
 
 CLIP_STEPS = 16
 SMALLEST_CLIP = 0.75
 
 
-def search_scales(weight: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp16 scales [rows, cols/group_size] minimising the kept weights' squared rounding error."""
+def _shrinks() -> list[float]:
+    return torch.linspace(1.0, SMALLEST_CLIP, CLIP_STEPS).tolist()
+
+
+def _groups(weight: torch.Tensor, mask: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = weight.shape
     check_group_size(cols, group_size)
-    w = weight.float().reshape(rows, cols // group_size, group_size)
-    keep = mask.reshape(w.shape)
+    shape = (rows, cols // group_size, group_size)
+    return weight.float().reshape(shape), mask.reshape(shape)
+
+
+def search_scales(weight: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp16 scales [rows, cols/group_size] of the symmetric grid minimising the kept weights' squared
+    rounding error."""
+    w, keep = _groups(weight, mask, group_size)
     top = torch.where(keep, w.abs(), torch.zeros((), device=w.device)).amax(dim=-1)
     best_scale = (top / GRID_OFFSET).to(torch.float16)
     best_error = torch.full_like(top, float("inf"))
-    for shrink in torch.linspace(1.0, SMALLEST_CLIP, CLIP_STEPS).tolist():
+    for shrink in _shrinks():
         scale = (top * shrink / GRID_OFFSET).to(torch.float16)
         error = group_error(w, keep, scale)
         better = error < best_error
@@ -31,25 +44,65 @@ def search_scales(weight: torch.Tensor, mask: torch.Tensor, group_size: int) -> 
     return best_scale
 
 
-def group_error(w: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Squared rounding error of each group's kept weights [rows, groups] under fp16 `scale`."""
-    s = scale.float().unsqueeze(-1)
-    safe = torch.where(s > 0, s, torch.ones((), device=s.device))
-    q = (torch.round(w / safe + GRID_OFFSET).clamp_(0, LEVELS - 1) - GRID_OFFSET) * s
+def search_asymmetric(weight: torch.Tensor, mask: torch.Tensor,
+                      group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 scales, uint8 zero points) [rows, cols/group_size] of the asymmetric grid minimising the kept
+    weights' squared rounding error. The range always holds 0 (the zero point is a level); each candidate
+    shrinks both of its ends alike."""
+    w, keep = _groups(weight, mask, group_size)
+    big = torch.finfo(torch.float32).max
+    low = torch.where(keep, w, torch.full((), big, device=w.device)).amin(dim=-1).clamp(max=0)
+    high = torch.where(keep, w, torch.full((), -big, device=w.device)).amax(dim=-1).clamp(min=0)
+    best_error = torch.full_like(low, float("inf"))
+    best_scale = torch.zeros(low.shape, dtype=torch.float16, device=w.device)
+    best_zero = torch.zeros(low.shape, dtype=torch.uint8, device=w.device)
+    for shrink in _shrinks():
+        scale = ((high - low) * shrink / (LEVELS - 1)).to(torch.float16)
+        safe = torch.where(scale > 0, scale.float(), torch.ones((), device=w.device))
+        zero = torch.round(-low * shrink / safe).clamp_(0, LEVELS - 1).to(torch.uint8)
+        error = group_error(w, keep, scale, zero)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _levels(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:
+    """w moved to its nearest level `scale * (code - offset)`, code in 0..15 (scale and offset broadcast)."""
+    safe = torch.where(scale > 0, scale, torch.ones((), device=scale.device))
+    return (torch.round(w / safe + offset).clamp_(0, LEVELS - 1) - offset) * scale
+
+
+def group_error(w: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor,
+                zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared rounding error of each group's kept weights [rows, groups] under fp16 `scale` (and the
+    asymmetric grid's `zero` points)."""
+    offset = GRID_OFFSET if zero is None else zero.float().unsqueeze(-1)
+    q = _levels(w, scale.float().unsqueeze(-1), offset)
     return torch.where(keep, (w - q) ** 2, torch.zeros((), device=w.device)).sum(dim=-1)
 
 
-def round_to_grid(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 weight with every entry moved to the nearest level of its group's scale."""
+def round_to_grid(weight: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 weight with every entry moved to the nearest level of its group's scale (and zero point)."""
     rows, cols = weight.shape
     s = scales.float().repeat_interleave(cols // scales.shape[1], dim=1)
-    safe = torch.where(s > 0, s, torch.ones((), device=s.device))
-    return (torch.round(weight.float() / safe + GRID_OFFSET).clamp_(0, LEVELS - 1) - GRID_OFFSET) * s
+    return _levels(weight.float(), s, grid_offset(zeros, cols))
 
 
-def rtn_quantize(weight: torch.Tensor, mask: torch.Tensor,
-                 group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 weight with kept entries on the grid and pruned ones +0.0, fp16 scales)."""
-    scales = search_scales(weight, mask, group_size)
-    quantized = round_to_grid(weight, scales)
-    return torch.where(mask, quantized, torch.zeros((), device=quantized.device)), scales
+def _symmetric(weight: torch.Tensor, mask: torch.Tensor, group_size: int) -> tuple[torch.Tensor, None]:
+    return search_scales(weight, mask, group_size), None
+
+
+# Grid name -> search(weight, mask, group_size) -> (fp16 scales, uint8 zero points or None).
+GRIDS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]] = {
+    SYMMETRIC: _symmetric, ASYMMETRIC: search_asymmetric}
+
+
+def rtn_quantize(weight: torch.Tensor, mask: torch.Tensor, group_size: int,
+                 grid: str = SYMMETRIC) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(fp32 weight with kept entries on the grid and pruned ones +0.0, fp16 scales, zero points or None)."""
+    scales, zeros = GRIDS[grid](weight, mask, group_size)
+    quantized = round_to_grid(weight, scales, zeros)
+    return torch.where(mask, quantized, torch.zeros((), device=quantized.device)), scales, zeros

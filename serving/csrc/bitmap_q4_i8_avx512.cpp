@@ -203,6 +203,13 @@ inline void zero_points(const uint8_t* z, int rp, __m512i out[2]) {
   out[1] = _mm512_set1_epi8(static_cast<char>(z[2 * rp + 1]));
 }
 
+// The same from a table of one zero point per 4 bytes (block_pair_m1's, at `z`).
+inline void zero_points_at(const float* z, int rp, __m512i out[2]) {
+  const uint8_t* at = reinterpret_cast<const uint8_t*>(z);
+  out[0] = _mm512_set1_epi8(static_cast<char>(at[8 * rp]));
+  out[1] = _mm512_set1_epi8(static_cast<char>(at[8 * rp + 4]));
+}
+
 // Software prefetch of the codes this many bytes ahead (one line per pair of the block's 4 rows). Measured on
 // every layer of the 1B shape in model order (bench/decode_sweep.py, cold): 0 or 1024 bytes 27.9-28.0 ms,
 // 2048 26.0, 4096 25.2, 8192 25.5, 16384 25.7; a second, L2 prefetch further ahead 26.7-28.6; prefetching
@@ -308,8 +315,8 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
 
 // M = 1: blocks b and b + 1 in one pass over the pairs (8 rows: the x load, the starts, the prefetch and the
 // loop's bookkeeping shared). Each row's sums are made and folded in the order block() folds them, so the
-// results are bit for bit block<1>'s. `scales` has room for 2 * kPairRows * groups floats; `spread` holds
-// the x scales spread over their groups' R lanes (x_spread below).
+// results are bit for bit block<1>'s. `scales` has room for 2 * kPairRows * groups floats (Asym: 4 *); `spread`
+// holds the x scales spread over their groups' R lanes (x_spread below).
 template <int GP, bool Dense, bool Asym>
 void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float* spread) {
   constexpr int R = kPairRows;
@@ -329,6 +336,17 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       _mm512_mask_storeu_ps(scales + h + i, valid, _mm512_mul_ps(w, x));
     }
   }
+  // Asym: the two blocks' zero points (as contiguous as their scales) one per 4 bytes after the tables, so that each
+  // row's is read at a fixed distance from its scale: with two more pointers (z0, z1 advancing with s0, s1) GCC
+  // spilled the loop's scalars to mask registers and G = 128 ran 20% slower than G = 64 (cold, 1B shapes).
+  const int64_t zoff = 2 * groups * R;
+  if constexpr (Asym) {
+    const uint8_t* from = p.zeros + b * groups * R;
+    for (int64_t i = 0; i < 2 * groups * R; i += 16) {
+      const __mmask16 valid = 2 * groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (2 * groups * R - i)) - 1);
+      _mm512_mask_storeu_epi32(scales + zoff + i, valid, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, from + i)));
+    }
+  }
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
@@ -345,8 +363,6 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   const int8_t* xv = p.x_values;
   const float* s0 = scales;
   const float* s1 = scales + groups * R;
-  const uint8_t* z0 = Asym ? p.zeros + b * groups * R : nullptr;  // the zero points of the pair's group
-  const uint8_t* z1 = Asym ? z0 + groups * R : nullptr;
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
     const char* ahead = reinterpret_cast<const char*>(ahead_base + reinterpret_cast<uintptr_t>(c0) +
                                                       reinterpret_cast<uintptr_t>(c1));
@@ -370,7 +386,7 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2], zero[2];
       if constexpr (Asym) {
-        zero_points(z0, rp, zero);
+        zero_points_at(s0 + zoff, rp, zero);
         dec.template rows<Dense>(at[rp], masks0, 0, rp, w, zero[0], zero[1]);
       } else {
         dec.template rows<Dense>(at[rp], masks0, 0, rp, w);
@@ -386,7 +402,7 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2], zero[2];
       if constexpr (Asym) {
-        zero_points(z1, rp, zero);
+        zero_points_at(s1 + zoff, rp, zero);
         dec.template rows<Dense>(at[rp], masks1, 0, rp, w, zero[0], zero[1]);
       } else {
         dec.template rows<Dense>(at[rp], masks1, 0, rp, w);
@@ -406,10 +422,6 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       j = 0;
       s0 += R;
       s1 += R;
-      if constexpr (Asym) {
-        z0 += R;
-        z1 += R;
-      }
     }
   }
   for (int h = 0; h < 2; ++h) {

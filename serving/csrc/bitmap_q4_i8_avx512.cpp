@@ -123,6 +123,28 @@
 // The panel decoder on the shared-byte pair layout (merged after both): `bench/prefill_q4.py --repeats 5
 // --sparsities 0.5 --ops dense onednn q4-i8 q4-i8t`, the other core quiet: layer 60.9 ms, 0.594x oneDNN, 0.574x
 // the tiles, 0.571x dense.
+//
+// The asymmetric grid (Q4PairProblem::zeros: a kept weight is s * (code - zero), a zero point 0..15 per row and
+// group), because it loses far less quality than s * (code - 7.5): every kernel here has it as an `Asym` template
+// variant, so the symmetric instantiations are the instructions they were (their disassembly compared function by
+// function with the kernel before). Its decoder makes u = code (other gf2p8affineqb matrices) merged into the row's
+// zero point broadcast where pruned (in place of 15s), and each lane's dot starts from -zero * q's sum over its 4
+// columns (one more vpdpbusd per row and row of x, on -q as bytes: |q| <= 127), so it ends at exactly the kept
+// columns' (code - zero) * q, folded with s_w * s_x: exact integer dots as in the symmetric kernel, the same error
+// bounds (a weight at its zero level contributes exactly 0). Not tried: that term folded per group in fp32 (s_w s_x
+// zero * the group's sum of q, independent of the mask: fewer instructions, but lanes of code * q rounded relative
+// to 15 |q| instead of |code - zero| |q|). Prefill: each group's dot starts at -zero * the group's sum of q (a
+// vpmulld per register and row of x and group); tiles: s * (code - zero), exact, bf16 tables indexed by the code.
+// Measured (a throwaway harness: the op at M = 1, bf16 x, each shape's layout cloned to ~250 MB and rotated so
+// that it comes from DRAM, 50%, 1 thread on core 1, sym and asym alternated sweep by sweep, medians of 9, three
+// processes; the machine's load 7-9 on its 2 cores, so absolute times are high and the ratios noisy), asym / sym:
+// Llama-3.2-1B shapes, G = 64: qkv 1.04-1.06, o 1.04-1.19, gate_up 1.03-1.06, down 0.99-1.05 (sym gate_up
+// 0.67-0.68 ms under that load, 0.41 in a quieter run, where asym was 1.02-1.07 on every 1B shape); G = 128: qkv
+// 1.10-1.14, o 1.11-1.17, gate_up 1.12-1.17, down 1.08-1.10. SmolLM2-135M shapes (G = 64; 576 columns are no
+// multiple of 128, so G = 128 only for down): within the noise (0.84-1.30 per run; medians of 21 in one run: qkv
+// 1.15, o 1.14, gate_up 1.20, down 1.15, G = 128 down 1.13). Prefill (M = 400 bf16 rows, 1B layer, hot, 11
+// calls alternated, medians): G = 64 59.6 -> 62.6 ms (1.05; each projection 1.04-1.06), G = 128 55.6 -> 57.6
+// (1.035).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -336,11 +358,16 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       _mm512_mask_storeu_ps(scales + h + i, valid, _mm512_mul_ps(w, x));
     }
   }
-  // Asym: the two blocks' zero points (as contiguous as their scales) one per 4 bytes after the tables, so that each
-  // row's is read at a fixed distance from its scale: with two more pointers (z0, z1 advancing with s0, s1) GCC
-  // spilled the loop's scalars to mask registers and G = 128 ran 20% slower than G = 64 (cold, 1B shapes).
+  // Asym: the zero points of the pair's group, from the layout (z0, z1: two more pointers advancing with s0, s1),
+  // or with groups read at run time (GP = 0), where those pointers made GCC spill the loop's scalars to mask
+  // registers, from a copy of the two blocks' (as contiguous as their scales) one per 4 bytes after the tables,
+  // at a fixed distance from each row's scale. Measured (1B shapes, cold, processes alternated, asym / sym): the
+  // copy at G = 64 1.13-1.21 against the pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22.
+  constexpr bool kZeroCopy = Asym && GP == 0;
+  const uint8_t* z0 = Asym && !kZeroCopy ? p.zeros + b * groups * R : nullptr;
+  const uint8_t* z1 = Asym && !kZeroCopy ? z0 + groups * R : nullptr;
   const int64_t zoff = 2 * groups * R;
-  if constexpr (Asym) {
+  if constexpr (kZeroCopy) {
     const uint8_t* from = p.zeros + b * groups * R;
     for (int64_t i = 0; i < 2 * groups * R; i += 16) {
       const __mmask16 valid = 2 * groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (2 * groups * R - i)) - 1);
@@ -386,7 +413,11 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2], zero[2];
       if constexpr (Asym) {
-        zero_points_at(s0 + zoff, rp, zero);
+        if constexpr (kZeroCopy) {
+          zero_points_at(s0 + zoff, rp, zero);
+        } else {
+          zero_points(z0, rp, zero);
+        }
         dec.template rows<Dense>(at[rp], masks0, 0, rp, w, zero[0], zero[1]);
       } else {
         dec.template rows<Dense>(at[rp], masks0, 0, rp, w);
@@ -402,7 +433,11 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     for (int rp = 0; rp < R / 2; ++rp) {
       __m512i w[2], zero[2];
       if constexpr (Asym) {
-        zero_points_at(s1 + zoff, rp, zero);
+        if constexpr (kZeroCopy) {
+          zero_points_at(s1 + zoff, rp, zero);
+        } else {
+          zero_points(z1, rp, zero);
+        }
         dec.template rows<Dense>(at[rp], masks1, 0, rp, w, zero[0], zero[1]);
       } else {
         dec.template rows<Dense>(at[rp], masks1, 0, rp, w);
@@ -422,6 +457,10 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       j = 0;
       s0 += R;
       s1 += R;
+      if constexpr (Asym && !kZeroCopy) {
+        z0 += R;
+        z1 += R;
+      }
     }
   }
   for (int h = 0; h < 2; ++h) {

@@ -8,7 +8,7 @@ which reads this layout as stored, or, with int8 activations (the default where 
 path (any device, the GPU included) and the reference: it decodes the weight per call and runs one dense
 matmul; `int8_activations` is the reference of how the int8 op rounds x."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -145,9 +145,9 @@ class Q4Weight:
 
     def pairs(self) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups)."""
-        masks, codes, block_offsets, scales = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
-            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols)
-        return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols)
+        masks, codes, block_offsets, scales, zeros = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
+            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, None)
+        return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols, zeros)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "shape")
@@ -159,7 +159,8 @@ class Q4Pairs:
     rows in blocks of 4, each block's 64-bit masks, 4-bit codes and fp16 scales in the order the kernel reads
     them. Made at load by `Q4Weight.pairs`; multiplied by
     `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols,
-    bias)`."""
+    bias, zeros=zeros)`. `zeros`: the asymmetric grid's zero points (one byte per row and group, in the
+    scales' order), empty for the symmetric grid."""
 
     masks: torch.Tensor
     codes: torch.Tensor
@@ -167,10 +168,15 @@ class Q4Pairs:
     scales: torch.Tensor
     n_rows: int
     n_cols: int
+    zeros: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"masks": self.masks, "codes": self.codes, "block_offsets": self.block_offsets,
-                "scales": self.scales}
+        """The layout's tensors; `zeros` only for the asymmetric grid."""
+        named = {"masks": self.masks, "codes": self.codes, "block_offsets": self.block_offsets,
+                 "scales": self.scales}
+        if self.zeros.numel():
+            named["zeros"] = self.zeros
+        return named
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

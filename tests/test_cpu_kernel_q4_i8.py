@@ -5,7 +5,10 @@ that `bitmap_q4_pack_pairs` makes at load) against plain float64 references: x r
 prefill kernel (a GEMM on int8 x); the prefill's other path (`bitmap_q4_i8_prefill("tiles")`: exact decoded
 tiles, x as it is) too. bf16 and fp32 x, 1 and 2 threads, groups of 64 and 128 columns, row counts that are
 not a multiple of the layout's blocks of 4, densities 0, 0.5 and 1, the dense layout, the last block's reads
-against a guard page."""
+against a guard page; the asymmetric grid (zero points: a kept weight is scale * (code - zero)) on every path
+against W built from the dense codes, scales and zero points."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from kernel_helpers import (
 )
 
 from serving import cpu_kernel
-from serving.q4_linear import INT8_MAX_ROWS, Q4Weight, int8_activations
+from serving.q4_linear import INT8_MAX_ROWS, Q4Pairs, Q4Weight, int8_activations
 from sparse_formats import get_format
 
 pytestmark = X86_ONLY
@@ -327,3 +330,139 @@ print("ok")
 """
     done = run_python(code)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+# ---- the asymmetric grid: a kept weight is scale * (code - zero), a zero point 0..15 per row and group ----
+
+ASYM_SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (7, 384, 128)]
+ASYM_MS = [1, 2, 3, 4, 5, 8, 9, 17, 41]
+
+
+def asymmetric(rows: int, cols: int, group: int, density: float, seed: int = 0):
+    """(stored tensors, stored zero points, W) of a random weight on the asymmetric grid: codes, fp16
+    scales and zero points 0..15 drawn at random (a fifth of the row-groups with every code at the zero
+    point: W 0 there), the tensors packed by the format with the zero points two to a byte as stored (group
+    g of a row in byte g / 2, the low nibble for even g), and W = scale * (code - zero) where kept, 0
+    elsewhere. Rows 0 and 1 kept whole and emptied (> 2 rows, density < 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = cols // group
+    mask = torch.rand(rows, cols, generator=gen) < density
+    if rows > 2 and density < 1:
+        mask[0], mask[1] = True, False
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (rows, groups), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(rows, groups, generator=gen) * 0.2 + 0.01).half()
+    at_zero = (torch.rand(rows, groups, generator=gen) < 0.2).repeat_interleave(group, 1)
+    level = zeros.repeat_interleave(group, 1)
+    codes = torch.where(at_zero, level, codes)
+    weight = scales.float().repeat_interleave(group, 1) * (codes.float() - level.float())
+    weight = torch.where(mask, weight, torch.zeros(()))
+    padded = torch.cat([zeros, torch.zeros(rows, groups % 2, dtype=torch.uint8)], 1)
+    stored = padded[:, 0::2] | (padded[:, 1::2] << 4)
+    return FMT.pack(codes * mask, scales, mask), stored, weight
+
+
+def asym_pairs(t: dict[str, torch.Tensor], stored: torch.Tensor) -> Q4Pairs:
+    rows, cols = t["bitmap"].shape[0], t["bitmap"].shape[1] * 8
+    made = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(t["bitmap"], t["codes"], t["scales"],
+                                                         t["row_offsets"], cols, stored)
+    return Q4Pairs(*made[:4], rows, cols, made[4])
+
+
+def asym_call(op, x, pairs: Q4Pairs, bias=None):
+    return op(x, pairs.masks, pairs.codes, pairs.block_offsets, pairs.scales, pairs.n_rows, pairs.n_cols,
+              bias, zeros=pairs.zeros)
+
+
+def test_pack_pairs_lays_out_the_zero_points(op):
+    """One byte per row and group in the scales' order ([blocks, groups, 4], padded rows 0); without zero
+    points an empty tensor, which Q4Pairs.tensors() leaves out."""
+    t, stored, _ = asymmetric(7, 384, 64, 0.5)
+    pairs = asym_pairs(t, stored)
+    zeros = torch.stack([stored & 0xF, stored >> 4], 2).reshape(7, -1)[:, :6]
+    expected = torch.cat([zeros, torch.zeros(1, 6, dtype=torch.uint8)]).view(2, 4, 6).transpose(1, 2)
+    assert pairs.zeros.dtype == torch.uint8 and torch.equal(pairs.zeros, expected)
+    assert list(pairs.tensors()) == ["masks", "codes", "block_offsets", "scales", "zeros"]
+    symmetric = pairs_of(encoded(7, 384, 0.5))
+    assert symmetric.zeros.shape == (0,) and "zeros" not in symmetric.tensors()
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", ASYM_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_asymmetric_grid_matches_the_reference(op, threads, xdtype, shape):
+    """Every M through the decoding kernel (block_pair_m1, block<1..4>) and the prefill kernel, against
+    int8_activations(x) @ W^T with W = scale * (code - zero) on kept weights."""
+    rows, cols, group = shape
+    for density in DENSITIES:
+        t, stored, weight = asymmetric(rows, cols, group, density, seed=rows + int(10 * density))
+        pairs = asym_pairs(t, stored)
+        bias = torch.randn(rows)
+        for m in ASYM_MS:
+            x = torch.randn(m, cols).to(xdtype)
+            b = bias if m % 2 else None
+            got = asym_call(op, x, pairs, b)
+            assert got.shape == (m, rows) and got.dtype == xdtype
+            assert excess(got, x, weight, b, group) <= 0, f"{xdtype} density {density} M {m}"
+
+
+def test_asymmetric_prefill_gives_the_weight_times_127_exactly(op, one_thread):
+    """x = 127 I (q = 127, x scale 1): every integer dot is 127 (code - zero) and its product with the fp16
+    scale exact, so the prefill kernel gives 127 W^T bit for bit: every code, zero point and scale of the
+    layout, padded blocks, the dense layout."""
+    for rows, cols, group in [*ASYM_SHAPES[:5], (16, 192, 64), (40, 640, 320)]:
+        for density in DENSITIES:
+            t, stored, weight = asymmetric(rows, cols, group, density, seed=rows)
+            got = asym_call(op, torch.eye(cols) * 127, asym_pairs(t, stored))
+            assert torch.equal(got, weight.T * 127), (rows, cols, group, density)
+
+
+def test_asymmetric_tiles_decode_the_weight_exactly(op, one_thread, tiles):
+    """The tiles path: x = I gives W^T bit for bit (fp32 tiles) and W^T rounded once to bf16 (bf16 tiles);
+    random x within the tiles' bound."""
+    for rows, cols, group in ASYM_SHAPES:
+        for density in DENSITIES:
+            t, stored, weight = asymmetric(rows, cols, group, density, seed=rows + 1)
+            pairs = asym_pairs(t, stored)
+            assert torch.equal(asym_call(op, torch.eye(cols), pairs).T, weight), (rows, cols, density)
+            got = asym_call(op, torch.eye(cols).to(torch.bfloat16), pairs)
+            assert torch.equal(got.T, weight.to(torch.bfloat16)), (rows, cols, density)
+            for xdtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(41, cols).to(xdtype)
+                assert excess(asym_call(op, x, pairs), x, weight, None, group, tiles=True) <= 0, (rows, cols)
+
+
+@pytest.mark.parametrize("group", [64, 192])
+def test_asymmetric_dense_layout(op, threads, group):
+    """Every weight kept and rows a whole number of blocks: no masks, no expand; every M still matches."""
+    t, stored, weight = asymmetric(16, 384, group, 1.0, seed=group)
+    pairs = asym_pairs(t, stored)
+    assert pairs.masks.numel() == 0
+    for m in ASYM_MS:
+        x = torch.randn(m, 384).to(torch.bfloat16)
+        b = torch.randn(16) if m % 2 else None
+        assert excess(asym_call(op, x, pairs, b), x, weight, b, group) <= 0, m
+
+
+def test_asymmetric_threads_agree_and_the_symmetric_grid_is_untouched(op):
+    t, stored, _ = asymmetric(301, 576, 64, 0.4)
+    pairs = asym_pairs(t, stored)
+    assert_threads_agree(lambda x: asym_call(op, x, pairs), 576, (1, 2, 5, 8, 9, 41))
+    sym = pairs_of(encoded(45, 640, 0.5))
+    x = torch.randn(20, 640)
+    for m in (1, 3, 8, 20):
+        without = call(op, x[:m], sym)
+        assert torch.equal(op(x[:m], *sym.tensors().values(), sym.n_rows, sym.n_cols, None,
+                              zeros=torch.empty(0, dtype=torch.uint8)), without)
+
+
+def test_bad_zero_points_are_refused(op):
+    t, stored, _ = asymmetric(8, 384, 64, 0.5)  # 6 groups: 3 bytes a row
+    pack = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs
+    args = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 384)
+    for bad in (stored[:, :2], stored[:7], torch.zeros(8, 6, dtype=torch.uint8), stored.to(torch.int32),
+                stored.reshape(-1)):
+        with pytest.raises(RuntimeError, match=r"zeros must be a CPU uint8 tensor \[rows, \(groups \+ 1\)"):
+            pack(*args, bad)
+    pairs = asym_pairs(t, stored)
+    with pytest.raises(RuntimeError, match="zeros must be uint8 \\[blocks, groups, 4\\]"):
+        asym_call(op, torch.randn(2, 384), dataclasses.replace(pairs, zeros=pairs.zeros[:, :5]))

@@ -123,6 +123,28 @@
 // The panel decoder on the shared-byte pair layout (merged after both): `bench/prefill_q4.py --repeats 5
 // --sparsities 0.5 --ops dense onednn q4-i8 q4-i8t`, the other core quiet: layer 60.9 ms, 0.594x oneDNN, 0.574x
 // the tiles, 0.571x dense.
+//
+// The asymmetric grid (Q4PairProblem::zeros: a kept weight is s * (code - zero), a zero point 0..15 per row and
+// group), because it loses far less quality than s * (code - 7.5): every kernel here has it as an `Asym` template
+// variant, so the symmetric instantiations are the instructions they were (their disassembly compared function by
+// function with the kernel before). Its decoder makes u = code (other gf2p8affineqb matrices) merged into the row's
+// zero point broadcast where pruned (in place of 15s), and each lane's dot starts from -zero * q's sum over its 4
+// columns (one more vpdpbusd per row and row of x, on -q as bytes: |q| <= 127), so it ends at exactly the kept
+// columns' (code - zero) * q, folded with s_w * s_x: exact integer dots as in the symmetric kernel, the same error
+// bounds (a weight at its zero level contributes exactly 0). Not tried: that term folded per group in fp32 (s_w s_x
+// zero * the group's sum of q, independent of the mask: fewer instructions, but lanes of code * q rounded relative
+// to 15 |q| instead of |code - zero| |q|). Prefill: each group's dot starts at -zero * the group's sum of q (a
+// vpmulld per register and row of x and group); tiles: s * (code - zero), exact, bf16 tables indexed by the code.
+// Measured (a throwaway harness: the op at M = 1, bf16 x, each shape's layout cloned to ~250 MB and rotated so
+// that it comes from DRAM, 50%, 1 thread on core 1, sym and asym alternated sweep by sweep, medians of 9, three
+// processes; the machine's load 7-9 on its 2 cores, so absolute times are high and the ratios noisy), asym / sym:
+// Llama-3.2-1B shapes, G = 64: qkv 1.04-1.06, o 1.04-1.19, gate_up 1.03-1.06, down 0.99-1.05 (sym gate_up
+// 0.67-0.68 ms under that load, 0.41 in a quieter run, where asym was 1.02-1.07 on every 1B shape); G = 128: qkv
+// 1.10-1.14, o 1.11-1.17, gate_up 1.12-1.17, down 1.08-1.10. SmolLM2-135M shapes (G = 64; 576 columns are no
+// multiple of 128, so G = 128 only for down): within the noise (0.84-1.30 per run; medians of 21 in one run: qkv
+// 1.15, o 1.14, gate_up 1.20, down 1.15, G = 128 down 1.13). Prefill (M = 400 bf16 rows, 1B layer, hot, 11
+// calls alternated, medians): G = 64 59.6 -> 62.6 ms (1.05; each projection 1.04-1.06), G = 128 55.6 -> 57.6
+// (1.035).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -141,13 +163,19 @@ namespace {
 
 // gf2p8affineqb's matrices (one qword, repeated): output bit i of a byte is the parity of the input bits that
 // matrix byte 7 - i selects. kLowNibble makes 2 * the low nibble (bits 0-3 to 1-4), kHighNibble 2 * the high
-// nibble (bits 4-7 to 1-4); every other bit 0.
+// nibble (bits 4-7 to 1-4); every other bit 0. The asymmetric grid's kLowCode and kHighCode make the code itself
+// (bits 0-3).
 constexpr int64_t kLowNibble = 0x0001020408000000, kHighNibble = 0x0010204080000000;
+constexpr int64_t kLowCode = 0x0102040800000000, kHighCode = 0x1020408000000000;
 
+// Asym: the asymmetric grid's decoder (u = code where kept, the row's zero point elsewhere; rows() with the two
+// rows' zero points broadcast as the merge sources).
+template <bool Asym>
 struct PairDecoder {
   __m512i low, high, fifteen;
   PairDecoder()
-      : low(_mm512_set1_epi64(kLowNibble)), high(_mm512_set1_epi64(kHighNibble)), fifteen(_mm512_set1_epi8(15)) {}
+      : low(_mm512_set1_epi64(Asym ? kLowCode : kLowNibble)), high(_mm512_set1_epi64(Asym ? kHighCode : kHighNibble)),
+        fifteen(_mm512_set1_epi8(15)) {}
 
   // Where the two pairs of rows of a block's pass (pair) find their codes, from the pass's first code byte
   // `codes` (its header's counts, or 64 bytes each in a dense layout); advances `codes` to the next pass.
@@ -172,6 +200,12 @@ struct PairDecoder {
   // no expand).
   template <bool Dense>
   inline void rows(const uint8_t* codes, const uint64_t* masks, int64_t q, int rp, __m512i w[2]) const {
+    rows<Dense>(codes, masks, q, rp, w, fifteen, fifteen);
+  }
+  // The same with the pruned columns' bytes from `base0` and `base1` (the asymmetric grid: each row's zero point).
+  template <bool Dense>
+  inline void rows(const uint8_t* codes, const uint64_t* masks, int64_t q, int rp, __m512i w[2], __m512i base0,
+                   __m512i base1) const {
     const __m512i v = _mm512_loadu_si512(codes);
     const __m512i a = _mm512_gf2p8affine_epi64_epi8(v, low, 0), b = _mm512_gf2p8affine_epi64_epi8(v, high, 0);
     if constexpr (Dense) {
@@ -179,11 +213,24 @@ struct PairDecoder {
       w[1] = b;
     } else {
       const uint64_t* m = masks + q * kPairRows + 2 * rp;
-      w[0] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m))), a);
-      w[1] = _mm512_mask_expand_epi8(fifteen, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m + 1))), b);
+      w[0] = _mm512_mask_expand_epi8(base0, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m))), a);
+      w[1] = _mm512_mask_expand_epi8(base1, _load_mask64(reinterpret_cast<__mmask64*>(const_cast<uint64_t*>(m + 1))), b);
     }
   }
 };
+
+// Rows 2 rp and 2 rp + 1's zero points (`z`: the block's at the current group) broadcast to every byte.
+inline void zero_points(const uint8_t* z, int rp, __m512i out[2]) {
+  out[0] = _mm512_set1_epi8(static_cast<char>(z[2 * rp]));
+  out[1] = _mm512_set1_epi8(static_cast<char>(z[2 * rp + 1]));
+}
+
+// The same from a table of one zero point per 4 bytes (block_pair_m1's, at `z`).
+inline void zero_points_at(const float* z, int rp, __m512i out[2]) {
+  const uint8_t* at = reinterpret_cast<const uint8_t*>(z);
+  out[0] = _mm512_set1_epi8(static_cast<char>(at[8 * rp]));
+  out[1] = _mm512_set1_epi8(static_cast<char>(at[8 * rp + 4]));
+}
 
 // Software prefetch of the codes this many bytes ahead (one line per pair of the block's 4 rows). Measured on
 // every layer of the 1B shape in model order (bench/decode_sweep.py, cold): 0 or 1024 bytes 27.9-28.0 ms,
@@ -197,11 +244,14 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kPairPrefetchBytes = 1024, kPairMaskPrefetchBytes = 0;
 
 // Block `b`'s rows for rows m0 .. m0 + M of x. GP: pairs per group (0: p.group_pairs, read at run time).
-// `scales` has room for kPairRows * M * groups floats.
-template <int M, int GP, bool Dense>
+// `scales` has room for kPairRows * M * groups floats. Asym: the asymmetric grid (p.zeros): each lane's dot starts
+// from -zero * q's sum over its 4 columns (the row's zero point; one more vpdpbusd per row and row of x) and adds
+// u * q (u = code, or zero where pruned), so that it ends at exactly the kept columns' (code - zero) * q, folded
+// with s_w * s_x.
+template <int M, int GP, bool Dense, bool Asym>
 void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   constexpr int R = kPairRows;
-  const PairDecoder dec;
+  const PairDecoder<Asym> dec;
   const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
   const int64_t row0 = b * R, real = std::min<int64_t>(R, p.rows - row0);
   // scales[m * groups * R + g * R + r] = 0.5 * s_w[r, g] * s_x[m, g] (x is quantized per weight group):
@@ -216,7 +266,8 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   for (int64_t g = 0; g < groups; g += 4) {
     const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (R * (groups - g))) - 1);
     const __mmask8 x_valid = groups - g >= 4 ? 0xf : static_cast<__mmask8>((1u << (groups - g)) - 1);
-    const __m512 w = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + g * R)));
+    const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + g * R));
+    const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
     for (int m = 0; m < M; ++m) {
       const __m128 four = _mm_maskz_loadu_ps(x_valid, p.x_scales + (m0 + m) * groups + g);
       const __m512 x = _mm512_permutexvar_ps(spread_x, _mm512_castps128_ps512(four));
@@ -230,25 +281,38 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   const uint8_t* c = p.codes + p.block_offsets[b];
   const int8_t* xv_base = p.x_values + m0 * p.cols;
   const float* s = scales;
+  const uint8_t* z = Asym ? p.zeros + b * groups * R : nullptr;  // the zero points of the pair's group
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
     _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes, _MM_HINT_T0);
     __m512i xv[M], start[M];
     for (int m = 0; m < M; ++m) {
       xv[m] = _mm512_loadu_si512(xv_base + m * p.cols + 64 * q);
-      // -15 * the sums of q over 4 columns (a table of them made by quantize_x was slower: L1 space).
-      start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
+      // -15 * the sums of q over 4 columns (a table of them made by quantize_x was slower: L1 space); Asym: -q
+      // (bytes), for each row's start below.
+      if constexpr (Asym) {
+        start[m] = _mm512_sub_epi8(_mm512_setzero_si512(), xv[m]);
+      } else {
+        start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
+      }
     }
     const uint8_t* at[2];
-    PairDecoder::starts<Dense>(c, at);
+    PairDecoder<Asym>::template starts<Dense>(c, at);
     for (int rp = 0; rp < R / 2; ++rp) {
-      __m512i w[2];
-      dec.rows<Dense>(at[rp], masks, q, rp, w);
+      __m512i w[2], zero[2];
+      if constexpr (Asym) {
+        zero_points(z, rp, zero);
+        dec.template rows<Dense>(at[rp], masks, q, rp, w, zero[0], zero[1]);
+      } else {
+        dec.template rows<Dense>(at[rp], masks, q, rp, w);
+      }
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
         for (int m = 0; m < M; ++m) {
           // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
-          const __m512i sum = _mm512_dpbusd_epi32(start[m], w[h], xv[m]);
+          // Asym: -zero * that sum (-q as bytes: |q| <= 127) + sum u * q = the kept columns' (code - zero) * q.
+          const __m512i from = Asym ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), zero[h], start[m]) : start[m];
+          const __m512i sum = _mm512_dpbusd_epi32(from, w[h], xv[m]);
           acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
         }
       }
@@ -256,6 +320,7 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
     if (++j == gp) {
       j = 0;
       s += R;
+      if constexpr (Asym) z += R;
     }
   }
   const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
@@ -272,12 +337,12 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
 
 // M = 1: blocks b and b + 1 in one pass over the pairs (8 rows: the x load, the starts, the prefetch and the
 // loop's bookkeeping shared). Each row's sums are made and folded in the order block() folds them, so the
-// results are bit for bit block<1>'s. `scales` has room for 2 * kPairRows * groups floats; `spread` holds
-// the x scales spread over their groups' R lanes (x_spread below).
-template <int GP, bool Dense>
+// results are bit for bit block<1>'s. `scales` has room for 2 * kPairRows * groups floats (Asym: 4 *); `spread`
+// holds the x scales spread over their groups' R lanes (x_spread below).
+template <int GP, bool Dense, bool Asym>
 void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float* spread) {
   constexpr int R = kPairRows;
-  const PairDecoder dec;
+  const PairDecoder<Asym> dec;
   const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
   const uint16_t* sw = p.scales + b * groups * R;
   for (int64_t i = 0; i < 2 * groups * R * 2; i += 64) {
@@ -288,8 +353,25 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     const __mmask16 valid = groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (groups * R - i)) - 1);
     const __m512 x = _mm512_load_ps(spread + i);
     for (int64_t h = 0; h < 2 * groups * R; h += groups * R) {
-      const __m512 w = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + h + i)));
+      const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + h + i));
+      const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
       _mm512_mask_storeu_ps(scales + h + i, valid, _mm512_mul_ps(w, x));
+    }
+  }
+  // Asym: the zero points of the pair's group, from the layout (z0, z1: two more pointers advancing with s0, s1),
+  // or with groups read at run time (GP = 0), where those pointers made GCC spill the loop's scalars to mask
+  // registers, from a copy of the two blocks' (as contiguous as their scales) one per 4 bytes after the tables,
+  // at a fixed distance from each row's scale. Measured (1B shapes, cold, processes alternated, asym / sym): the
+  // copy at G = 64 1.13-1.21 against the pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22.
+  constexpr bool kZeroCopy = Asym && GP == 0;
+  const uint8_t* z0 = Asym && !kZeroCopy ? p.zeros + b * groups * R : nullptr;
+  const uint8_t* z1 = Asym && !kZeroCopy ? z0 + groups * R : nullptr;
+  const int64_t zoff = 2 * groups * R;
+  if constexpr (kZeroCopy) {
+    const uint8_t* from = p.zeros + b * groups * R;
+    for (int64_t i = 0; i < 2 * groups * R; i += 16) {
+      const __mmask16 valid = 2 * groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (2 * groups * R - i)) - 1);
+      _mm512_mask_storeu_epi32(scales + zoff + i, valid, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, from + i)));
     }
   }
   __m512 acc[2][R];
@@ -322,27 +404,49 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     }
     const __m512i x = _mm512_loadu_si512(xv);
     xv += 64;
+    // Asym: -q (bytes), and each row's start as block() makes it.
     const __m512i start =
-        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
+        Asym ? _mm512_sub_epi8(_mm512_setzero_si512(), x)
+             : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
     const uint8_t* at[2];
-    PairDecoder::starts<Dense>(c0, at);
+    PairDecoder<Asym>::template starts<Dense>(c0, at);
     for (int rp = 0; rp < R / 2; ++rp) {
-      __m512i w[2];
-      dec.rows<Dense>(at[rp], masks0, 0, rp, w);
+      __m512i w[2], zero[2];
+      if constexpr (Asym) {
+        if constexpr (kZeroCopy) {
+          zero_points_at(s0 + zoff, rp, zero);
+        } else {
+          zero_points(z0, rp, zero);
+        }
+        dec.template rows<Dense>(at[rp], masks0, 0, rp, w, zero[0], zero[1]);
+      } else {
+        dec.template rows<Dense>(at[rp], masks0, 0, rp, w);
+      }
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
+        const __m512i from = Asym ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), zero[h], start) : start;
         acc[0][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(from, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
       }
     }
-    PairDecoder::starts<Dense>(c1, at);
+    PairDecoder<Asym>::template starts<Dense>(c1, at);
     for (int rp = 0; rp < R / 2; ++rp) {
-      __m512i w[2];
-      dec.rows<Dense>(at[rp], masks1, 0, rp, w);
+      __m512i w[2], zero[2];
+      if constexpr (Asym) {
+        if constexpr (kZeroCopy) {
+          zero_points_at(s1 + zoff, rp, zero);
+        } else {
+          zero_points(z1, rp, zero);
+        }
+        dec.template rows<Dense>(at[rp], masks1, 0, rp, w, zero[0], zero[1]);
+      } else {
+        dec.template rows<Dense>(at[rp], masks1, 0, rp, w);
+      }
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
+        const __m512i from = Asym ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), zero[h], start) : start;
         acc[1][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(from, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
       }
     }
     if constexpr (!Dense) {
@@ -353,6 +457,10 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       j = 0;
       s0 += R;
       s1 += R;
+      if constexpr (Asym && !kZeroCopy) {
+        z0 += R;
+        z1 += R;
+      }
     }
   }
   for (int h = 0; h < 2; ++h) {
@@ -368,11 +476,11 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   }
 }
 
-template <int GP, bool Dense>
+template <int GP, bool Dense, bool Asym>
 void blocks(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   using Fn = void (*)(const Q4PairProblem&, int64_t, int64_t, float*);
-  static constexpr Fn kChunks[kPairChunkM] = {&block<1, GP, Dense>, &block<2, GP, Dense>, &block<3, GP, Dense>,
-                                              &block<4, GP, Dense>};
+  static constexpr Fn kChunks[kPairChunkM] = {&block<1, GP, Dense, Asym>, &block<2, GP, Dense, Asym>,
+                                              &block<3, GP, Dense, Asym>, &block<4, GP, Dense, Asym>};
   float* scales = static_cast<float*>(std::aligned_alloc(64, ((kPairRows * kPairChunkM * p.groups + 15) / 16 + 1) * 64));
   if (p.m == 1) {
     // 0.5 * s_x spread over each group's R lanes, once per call, padded to whole registers.
@@ -380,8 +488,8 @@ void blocks(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
     float* spread = static_cast<float*>(std::aligned_alloc(64, ((n + 15) / 16) * 64));
     for (int64_t i = 0; i < n; ++i) spread[i] = p.x_scales[i / kPairRows];
     int64_t b = block_begin;
-    for (; b + 1 < block_end; b += 2) block_pair_m1<GP, Dense>(p, b, scales, spread);
-    if (b < block_end) block<1, GP, Dense>(p, b, 0, scales);
+    for (; b + 1 < block_end; b += 2) block_pair_m1<GP, Dense, Asym>(p, b, scales, spread);
+    if (b < block_end) block<1, GP, Dense, Asym>(p, b, 0, scales);
     std::free(spread);
     std::free(scales);
     return;
@@ -416,9 +524,14 @@ inline __m512 quarter(__m512i w) {
 void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   // G = 64 (the default) with its group's single pair unrolled; other group sizes read it at run time.
   const bool dense = p.masks == nullptr;
-  if (p.group_pairs == 1) return dense ? blocks<1, true>(p, block_begin, block_end)
-                                       : blocks<1, false>(p, block_begin, block_end);
-  dense ? blocks<0, true>(p, block_begin, block_end) : blocks<0, false>(p, block_begin, block_end);
+  if (p.zeros != nullptr) {
+    if (p.group_pairs == 1) return dense ? blocks<1, true, true>(p, block_begin, block_end)
+                                         : blocks<1, false, true>(p, block_begin, block_end);
+    return dense ? blocks<0, true, true>(p, block_begin, block_end) : blocks<0, false, true>(p, block_begin, block_end);
+  }
+  if (p.group_pairs == 1) return dense ? blocks<1, true, false>(p, block_begin, block_end)
+                                       : blocks<1, false, false>(p, block_begin, block_end);
+  dense ? blocks<0, true, false>(p, block_begin, block_end) : blocks<0, false, false>(p, block_begin, block_end);
 }
 
 void quantize_x_avx512(DType dtype, const void* x, int64_t row_stride, int64_t m, int64_t cols, int64_t block,
@@ -454,12 +567,12 @@ void quantize_x_avx512(DType dtype, const void* x, int64_t row_stride, int64_t m
 namespace {
 
 // Every row of every pair of blocks block_begin..block_end, in the layout's order, as the pair decoder gives its
-// 64 weights (u = 2 * code where kept, 15 elsewhere): emit(row, q, r, b, u) for row r of block b (row, counted from
-// block_begin's first row) and pair q. The padding rows of a last block are decoded (their codes are read in
-// turn) but not emitted.
-template <typename Emit>
+// 64 weights (u = 2 * code where kept, 15 elsewhere; Asym: code where kept, the row's zero point elsewhere):
+// emit(row, q, r, b, u) for row r of block b (row, counted from block_begin's first row) and pair q. The padding
+// rows of a last block are decoded (their codes are read in turn) but not emitted.
+template <bool Asym, typename Emit>
 void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, const Emit& emit) {
-  const PairDecoder dec;
+  const PairDecoder<Asym> dec;
   const int64_t pairs = p.cols / 64;
   for (int64_t b = block_begin; b < block_end; ++b) {
     const uint64_t* masks = p.masks == nullptr ? nullptr : p.masks + b * pairs * kPairRows;
@@ -468,16 +581,17 @@ void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t bloc
     for (int64_t q = 0; q < pairs; ++q) {
       const uint8_t* at[2];
       if (masks == nullptr) {
-        PairDecoder::starts<true>(c, at);
+        PairDecoder<Asym>::template starts<true>(c, at);
       } else {
-        PairDecoder::starts<false>(c, at);
+        PairDecoder<Asym>::template starts<false>(c, at);
       }
       for (int rp = 0; rp < kPairRows / 2; ++rp) {
-        __m512i u[2];
+        __m512i u[2], zero[2] = {dec.fifteen, dec.fifteen};
+        if constexpr (Asym) zero_points(p.zeros + (b * p.groups + q / p.group_pairs) * kPairRows, rp, zero);
         if (masks == nullptr) {
-          dec.rows<true>(at[rp], masks, q, rp, u);
+          dec.template rows<true>(at[rp], masks, q, rp, u, zero[0], zero[1]);
         } else {
-          dec.rows<false>(at[rp], masks, q, rp, u);
+          dec.template rows<false>(at[rp], masks, q, rp, u, zero[0], zero[1]);
         }
         for (int h = 0; h < 2; ++h) {
           const int r = 2 * rp + h;
@@ -490,19 +604,31 @@ void for_each_pair_row(const Q4PairProblem& p, int64_t block_begin, int64_t bloc
 
 }  // namespace
 
-void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
-                                   int64_t out_stride) {
+namespace {
+
+template <bool Asym>
+void decode_blocks(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out, int64_t out_stride) {
   const __m512i fifteen = _mm512_set1_epi8(15);
-  for_each_pair_row(p, block_begin, block_end, [&](int64_t row, int64_t q, int r, int64_t b, __m512i u) {
-    const __m512i w = _mm512_sub_epi8(u, fifteen);  // the levels, 0 where pruned
-    // s * (code - 7.5) = (0.5 s) * (2 code - 15): exact in fp32 (an fp16 times a small odd integer).
-    const __m512 s = _mm512_set1_ps(0.5f * _cvtsh_ss(p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r]));
+  for_each_pair_row<Asym>(p, block_begin, block_end, [&](int64_t row, int64_t q, int r, int64_t b, __m512i u) {
+    const int64_t at = (b * p.groups + q / p.group_pairs) * kPairRows + r;
+    // The levels, 0 where pruned: 2 * code - 15, or (Asym) code - zero.
+    const __m512i w = _mm512_sub_epi8(u, Asym ? _mm512_set1_epi8(static_cast<char>(p.zeros[at])) : fifteen);
+    // s * (code - 7.5) = (0.5 s) * (2 code - 15), s * (code - zero): exact in fp32 (an fp16 times a small integer).
+    const __m512 s = _mm512_set1_ps((Asym ? 1.0f : 0.5f) * _cvtsh_ss(p.scales[at]));
     float* dst = out + row * out_stride + 64 * q;
     _mm512_storeu_ps(dst, _mm512_mul_ps(s, quarter<0>(w)));
     _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, quarter<1>(w)));
     _mm512_storeu_ps(dst + 32, _mm512_mul_ps(s, quarter<2>(w)));
     _mm512_storeu_ps(dst + 48, _mm512_mul_ps(s, quarter<3>(w)));
   });
+}
+
+}  // namespace
+
+void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
+                                   int64_t out_stride) {
+  if (p.zeros != nullptr) return decode_blocks<true>(p, block_begin, block_end, out, out_stride);
+  decode_blocks<false>(p, block_begin, block_end, out, out_stride);
 }
 
 // Prefill with bf16 x: q4_pairs_decode_blocks_avx512's exact fp32 values rounded once to bf16 (round to nearest
@@ -513,15 +639,25 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
 // its GEMMs skipped, Llama-3.2-1B's shapes, 50%, M = 400, 1 thread) against converting each weight's fp32
 // product (per row and pair 4 x widen, convert, multiply, then 2 x vcvtne2ps2bf16): gate_up 16384x2048 1.84 to
 // 1.39 ms, down 2048x8192 1.06 to 0.76, o 2048x2048 0.28 to 0.20.
-void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
-                                        uint16_t* out, int64_t out_stride) {
-  const __m512 levels = _mm512_set_ps(7.5f, 6.5f, 5.5f, 4.5f, 3.5f, 2.5f, 1.5f, 0.5f, -0.5f, -1.5f, -2.5f, -3.5f,
-                                      -4.5f, -5.5f, -6.5f, -7.5f);
-  for_each_pair_row(p, block_begin, block_end, [&](int64_t row, int64_t q, int r, int64_t b, __m512i u) {
-    const uint16_t h = p.scales[(b * p.groups + q / p.group_pairs) * kPairRows + r];
-    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
-    const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, levels));
-    const __m512i table = _mm512_cvtepu16_epi32(values);
+// Asym: word c = bf16(s * (c - zero)) for the 16 codes, indexed by u (the code, or the zero point where pruned: 0).
+namespace {
+
+template <bool Asym>
+void decode_blocks_bf16(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, uint16_t* out,
+                        int64_t out_stride) {
+  const __m512 levels = Asym ? _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+                             : _mm512_set_ps(7.5f, 6.5f, 5.5f, 4.5f, 3.5f, 2.5f, 1.5f, 0.5f, -0.5f, -1.5f, -2.5f,
+                                             -3.5f, -4.5f, -5.5f, -6.5f, -7.5f);
+  for_each_pair_row<Asym>(p, block_begin, block_end, [&](int64_t row, int64_t q, int r, int64_t b, __m512i u) {
+    const int64_t at = (b * p.groups + q / p.group_pairs) * kPairRows + r;
+    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(p.scales[at])));
+    __m512i table;
+    if constexpr (Asym) {
+      const __m512 level = _mm512_sub_ps(levels, _mm512_set1_ps(static_cast<float>(p.zeros[at])));
+      table = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, level)));
+    } else {
+      table = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, levels)));
+    }
     uint16_t* dst = out + row * out_stride + 64 * q;
     const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
     const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
@@ -530,11 +666,19 @@ void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_be
   });
 }
 
+}  // namespace
+
+void q4_pairs_decode_blocks_bf16_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
+                                        uint16_t* out, int64_t out_stride) {
+  if (p.zeros != nullptr) return decode_blocks_bf16<true>(p, block_begin, block_end, out, out_stride);
+  decode_blocks_bf16<false>(p, block_begin, block_end, out, out_stride);
+}
+
 
 // ---- prefill with int8 x ----
 
-void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts) {
-  const __m512i fifteen = _mm512_set1_epi8(15);
+void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts, bool asym) {
+  const __m512i fifteen = _mm512_set1_epi8(asym ? 1 : 15);
   const int64_t block = cols / q8.groups;
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t g = 0; g < q8.groups; ++g) {
@@ -581,11 +725,12 @@ constexpr int64_t kPanelPrefetch = 512;
 // Panel `panel`'s rows (16 NB of them) into w: for 4-column quad t of a row and register nb of the panel (rows
 // 16 nb .. 16 nb + 15), 64 bytes at w + (t * NB + nb) * 64, lane i the 4 bytes of row 16 nb + i (level + 15, as
 // the pair decoder gives them); rows past the last block 15s. sw[(g * NB + nb) * 16 + i]: 0.5 * the row's scale
-// of group g (0 for padded rows).
-template <int NB, bool Dense>
-void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) {
+// of group g (0 for padded rows). Asym: lanes of code where kept, the zero point elsewhere (rows past the last block
+// 0s), sw s_w without the 0.5, and sz[(g * NB + nb) * 16 + i] the row's zero point (0 for padded rows).
+template <int NB, bool Dense, bool Asym>
+void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw, int32_t* sz) {
   constexpr int BPP = 16 * NB / kPairRows;
-  const PairDecoder dec;
+  const PairDecoder<Asym> dec;
   const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows, b0 = panel * BPP;
   const int n = static_cast<int>(std::min<int64_t>(BPP, blocks - b0));
   const int64_t pairs = p.cols / 64, groups = p.groups;
@@ -607,12 +752,20 @@ void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) 
       for (int i = 0; i < 4; ++i) {
         const int blk = 4 * nb + i;
         if (blk >= n) {
-          for (int rr = 0; rr < kPairRows; ++rr) r[4 * i + rr] = dec.fifteen;
+          for (int rr = 0; rr < kPairRows; ++rr) r[4 * i + rr] = Asym ? _mm512_setzero_si512() : dec.fifteen;
           continue;
         }
         const uint8_t* at[2];
-        PairDecoder::starts<Dense>(c[blk], at);
-        for (int rp = 0; rp < kPairRows / 2; ++rp) dec.rows<Dense>(at[rp], masks[blk], q, rp, &r[4 * i + 2 * rp]);
+        PairDecoder<Asym>::template starts<Dense>(c[blk], at);
+        for (int rp = 0; rp < kPairRows / 2; ++rp) {
+          if constexpr (Asym) {
+            __m512i zero[2];
+            zero_points(p.zeros + ((b0 + blk) * groups + q / p.group_pairs) * kPairRows, rp, zero);
+            dec.template rows<Dense>(at[rp], masks[blk], q, rp, &r[4 * i + 2 * rp], zero[0], zero[1]);
+          } else {
+            dec.template rows<Dense>(at[rp], masks[blk], q, rp, &r[4 * i + 2 * rp]);
+          }
+        }
       }
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(w + ((16 * q + j) * NB + nb) * 64, r[j]);
@@ -624,13 +777,23 @@ void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) 
     const uint16_t* from = p.scales + (b0 + blk) * groups * kPairRows;
     for (int64_t g = 0; g < groups; g += 4) {
       const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (4 * (groups - g))) - 1);
-      const __m512 v = blk < n ? _mm512_mul_ps(half, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, from + g * kPairRows)))
-                               : _mm512_setzero_ps();
+      const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, from + g * kPairRows));
+      const __m512 v = blk < n ? (Asym ? scale : _mm512_mul_ps(half, scale)) : _mm512_setzero_ps();
       float* to = sw + g * 16 * NB + kPairRows * blk;
       _mm_storeu_ps(to, _mm512_castps512_ps128(v));
       if (g + 1 < groups) _mm_storeu_ps(to + 16 * NB, _mm512_extractf32x4_ps(v, 1));
       if (g + 2 < groups) _mm_storeu_ps(to + 32 * NB, _mm512_extractf32x4_ps(v, 2));
       if (g + 3 < groups) _mm_storeu_ps(to + 48 * NB, _mm512_extractf32x4_ps(v, 3));
+      if constexpr (Asym) {
+        const __m512i z = blk < n ? _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
+                                        valid, p.zeros + (b0 + blk) * groups * kPairRows + g * kPairRows))
+                                  : _mm512_setzero_si512();
+        int32_t* zto = sz + g * 16 * NB + kPairRows * blk;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(zto), _mm512_castsi512_si128(z));
+        if (g + 1 < groups) _mm_storeu_si128(reinterpret_cast<__m128i*>(zto + 16 * NB), _mm512_extracti32x4_epi32(z, 1));
+        if (g + 2 < groups) _mm_storeu_si128(reinterpret_cast<__m128i*>(zto + 32 * NB), _mm512_extracti32x4_epi32(z, 2));
+        if (g + 3 < groups) _mm_storeu_si128(reinterpret_cast<__m128i*>(zto + 48 * NB), _mm512_extracti32x4_epi32(z, 3));
+      }
     }
   }
 }
@@ -640,9 +803,11 @@ void decode_panel(const Q4PairProblem& p, int64_t panel, uint8_t* w, float* sw) 
 // bytes of the quad broadcast), then is folded into the fp32 sum with (0.5 s_w) * s_x, as the decoding kernel
 // folds its terms. GQ: quads per group (0: read at run time); the quad loop is unrolled (without it GCC rotated
 // the accumulators through register copies, two dozen per iteration: 0.61 against 0.58 of the tiles' time).
-template <int NB, int MR, int GQ>
-void prefill_micro(const Q4PairProblem& p, const int32_t* starts, const uint8_t* w, const float* sw, int64_t m0,
-                   int64_t row0) {
+// Asym: each dot starts at -(the group's sum of q) * the row's zero point (`starts` then hold -sum q; the lanes
+// of code or zero point, sw without the 0.5), so that it ends at the kept columns' (code - zero) * q.
+template <int NB, int MR, int GQ, bool Asym>
+void prefill_micro(const Q4PairProblem& p, const int32_t* starts, const uint8_t* w, const float* sw,
+                   const int32_t* sz, int64_t m0, int64_t row0) {
   const int64_t cols = p.cols, groups = p.groups, gq = GQ > 0 ? GQ : 16 * p.group_pairs;
   const int8_t* x = p.x_values + m0 * cols;
   __m512 acc[MR][NB];
@@ -652,7 +817,9 @@ void prefill_micro(const Q4PairProblem& p, const int32_t* starts, const uint8_t*
     __m512i dot[MR][NB];
     for (int m = 0; m < MR; ++m) {
       const __m512i s = _mm512_set1_epi32(starts[(m0 + m) * groups + g]);
-      for (int nb = 0; nb < NB; ++nb) dot[m][nb] = s;
+      for (int nb = 0; nb < NB; ++nb) {
+        dot[m][nb] = Asym ? _mm512_mullo_epi32(s, _mm512_loadu_si512(sz + (g * NB + nb) * 16)) : s;
+      }
     }
     const uint8_t* wg = w + g * gq * NB * 64;
     const int8_t* xg = x + g * gq * 4;
@@ -697,19 +864,21 @@ static_assert(kPrefillPanelRows == 16 * kPanelNB);
 
 // Panels panel_begin..panel_end: each decoded once (into buffers of this thread), then multiplied with every
 // kPrefillMR rows of x in turn.
-template <int GQ, bool Dense>
+template <int GQ, bool Dense, bool Asym>
 void prefill_panels(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin, int64_t panel_end) {
   constexpr int NB = kPanelNB, MR = kPrefillMR;
-  using Fn = void (*)(const Q4PairProblem&, const int32_t*, const uint8_t*, const float*, int64_t, int64_t);
-  static constexpr Fn kTails[MR - 1] = {&prefill_micro<NB, 1, GQ>, &prefill_micro<NB, 2, GQ>,
-                                        &prefill_micro<NB, 3, GQ>, &prefill_micro<NB, 4, GQ>,
-                                        &prefill_micro<NB, 5, GQ>};
+  using Fn = void (*)(const Q4PairProblem&, const int32_t*, const uint8_t*, const float*, const int32_t*, int64_t,
+                      int64_t);
+  static constexpr Fn kTails[MR - 1] = {&prefill_micro<NB, 1, GQ, Asym>, &prefill_micro<NB, 2, GQ, Asym>,
+                                        &prefill_micro<NB, 3, GQ, Asym>, &prefill_micro<NB, 4, GQ, Asym>,
+                                        &prefill_micro<NB, 5, GQ, Asym>};
   uint8_t* w = static_cast<uint8_t*>(std::aligned_alloc(64, kPrefillPanelRows * p.cols));
   float* sw = static_cast<float*>(std::aligned_alloc(64, p.groups * kPrefillPanelRows * 4));
+  int32_t* sz = Asym ? static_cast<int32_t*>(std::aligned_alloc(64, p.groups * kPrefillPanelRows * 4)) : nullptr;
   constexpr int64_t BPP = kPrefillPanelRows / kPairRows;
   const int64_t blocks = (p.rows + kPairRows - 1) / kPairRows, calls = (p.m + MR - 1) / MR;
   for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
-    decode_panel<NB, Dense>(p, panel, w, sw);
+    decode_panel<NB, Dense, Asym>(p, panel, w, sw, sz);
     const int64_t row0 = panel * kPrefillPanelRows;
     // The next panel's codes and masks (each a contiguous range: its blocks follow each other), fetched into L2
     // a share at a time between this panel's micro-kernel calls (the last block's codes: a line past its start;
@@ -736,13 +905,14 @@ void prefill_panels(const Q4PairProblem& p, const int32_t* starts, int64_t panel
     int64_t m0 = 0;
     for (; m0 + MR <= p.m; m0 += MR) {
       fetch();
-      prefill_micro<NB, MR, GQ>(p, starts, w, sw, m0, row0);
+      prefill_micro<NB, MR, GQ, Asym>(p, starts, w, sw, sz, m0, row0);
     }
     if (m0 < p.m) {
       fetch();
-      kTails[p.m - m0 - 1](p, starts, w, sw, m0, row0);
+      kTails[p.m - m0 - 1](p, starts, w, sw, sz, m0, row0);
     }
   }
+  std::free(sz);
   std::free(sw);
   std::free(w);
 }
@@ -752,10 +922,16 @@ void prefill_panels(const Q4PairProblem& p, const int32_t* starts, int64_t panel
 void q4_pairs_prefill_panels_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin,
                                     int64_t panel_end) {
   const bool dense = p.masks == nullptr;
-  if (p.group_pairs == 1) return dense ? prefill_panels<16, true>(p, starts, panel_begin, panel_end)
-                                       : prefill_panels<16, false>(p, starts, panel_begin, panel_end);
-  dense ? prefill_panels<0, true>(p, starts, panel_begin, panel_end)
-        : prefill_panels<0, false>(p, starts, panel_begin, panel_end);
+  if (p.zeros != nullptr) {
+    if (p.group_pairs == 1) return dense ? prefill_panels<16, true, true>(p, starts, panel_begin, panel_end)
+                                         : prefill_panels<16, false, true>(p, starts, panel_begin, panel_end);
+    return dense ? prefill_panels<0, true, true>(p, starts, panel_begin, panel_end)
+                 : prefill_panels<0, false, true>(p, starts, panel_begin, panel_end);
+  }
+  if (p.group_pairs == 1) return dense ? prefill_panels<16, true, false>(p, starts, panel_begin, panel_end)
+                                       : prefill_panels<16, false, false>(p, starts, panel_begin, panel_end);
+  dense ? prefill_panels<0, true, false>(p, starts, panel_begin, panel_end)
+        : prefill_panels<0, false, false>(p, starts, panel_begin, panel_end);
 }
 
 }  // namespace leap_sparse

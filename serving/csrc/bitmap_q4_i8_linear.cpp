@@ -1,10 +1,14 @@
 // The torch ops of bitmap-q4 weights with int8 x (the plugin's `activations=int8`):
 //   leap_sparse_cpu::bitmap_q4_i8_available() -> whether this CPU and the chosen ISA run them
-//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols)
-//       -> (masks, codes, block_offsets, scales): the pair layout (bitmap_q4_kernels.h) of a checked bitmap-q4
-//          weight, made once at load
-//   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None)
-//       -> y = x W^T + b from the pair layout: x is quantized to int8 per row and weight group (scale max|x| /
+//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols, zeros=None)
+//       -> (masks, codes, block_offsets, scales, zeros): the pair layout (bitmap_q4_kernels.h) of a checked
+//          bitmap-q4 weight, made once at load; zeros (the asymmetric grid's zero points as stored, uint8 [rows,
+//          (groups + 1) / 2], two to a byte) become one byte per row and group in the scales' order, or an empty
+//          tensor (the symmetric grid) where none are given
+//   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None,
+//                                        zeros=None)
+//       -> y = x W^T + b from the pair layout (zeros: pack_pairs' zeros, None or empty for the symmetric grid):
+//          x is quantized to int8 per row and weight group (scale max|x| /
 //          127) and multiplied in integers: up to kPairMaxM rows (decoding steps) straight from the layout,
 //          more (prefill) by a GEMM on panels of W decoded for it (bitmap_q4_i8_avx512.cpp's header: 0.57x the
 //          time of the tiles below at 400 rows of Llama-3.2-1B's layer, 0.60x vLLM's oneDNN bf16 linear).
@@ -80,9 +84,9 @@ int64_t row_pair_bytes(uint64_t first, uint64_t second) {
   return std::max(__builtin_popcountll(first), __builtin_popcountll(second));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
     const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_offsets,
-    int64_t n_cols) {
+    int64_t n_cols, const std::optional<at::Tensor>& zeros) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
   TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0, kOp, ": n_cols must be a positive multiple of 64, got ", n_cols);
   TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && row_offsets.device().is_cpu() &&
@@ -93,6 +97,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
                   scales.size(1) > 0 && n_cols % scales.size(1) == 0 && (n_cols / scales.size(1)) % 64 == 0,
               kOp, " takes the CPU tensors of a checked bitmap-q4 weight (uint8 bitmap [rows, n_cols / 8], uint8 "
               "codes, float16 scales [rows, groups] of a multiple of 64 columns, int32 row_offsets [rows])");
+  TORCH_CHECK(!zeros.has_value() ||
+                  (zeros->device().is_cpu() && zeros->scalar_type() == at::kByte && zeros->dim() == 2 &&
+                   zeros->size(0) == bitmap.size(0) && zeros->size(1) == (scales.size(1) + 1) / 2),
+              kOp, ": zeros must be a CPU uint8 tensor [rows, (groups + 1) / 2] = [", bitmap.size(0), ", ",
+              (scales.size(1) + 1) / 2, "] (two 4-bit zero points a byte), got ",
+              zeros.has_value() ? zeros->scalar_type() : at::kByte, " ",
+              zeros.has_value() ? zeros->sizes() : at::IntArrayRef{});
   const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
   const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
   const uint8_t* bit_data = bits.data_ptr<uint8_t>();
@@ -158,12 +169,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
       }
     }
   });
-  return {dense ? masks.new_empty({0}) : masks, packed, block_offsets, block_scales};
+  // The zero points, one byte each in the scales' order: [blocks, groups, kPairRows], padded rows 0.
+  at::Tensor block_zeros = at::zeros({zeros.has_value() ? blocks : 0, groups, kPairRows}, code.options());
+  if (zeros.has_value()) {
+    const at::Tensor stored = zeros->contiguous();
+    const uint8_t* z = stored.data_ptr<uint8_t>();
+    uint8_t* zout = block_zeros.data_ptr<uint8_t>();
+    const int64_t stride = stored.size(1);
+    for (int64_t row = 0; row < rows; ++row) {
+      for (int64_t g = 0; g < groups; ++g) {
+        zout[((row / kPairRows) * groups + g) * kPairRows + row % kPairRows] = (z[row * stride + g / 2] >> (4 * (g % 2))) & 0xf;
+      }
+    }
+  }
+  return {dense ? masks.new_empty({0}) : masks, packed, block_offsets, block_scales,
+          zeros.has_value() ? block_zeros : code.new_empty({0})};
 }
 
 at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
                                const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
-                               int64_t n_cols, const std::optional<at::Tensor>& bias) {
+                               int64_t n_cols, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& zeros) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
   TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI and VBMI2, GFNI, and the avx512 ISA chosen");
   TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
@@ -188,12 +214,18 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
               kOp, ": masks, codes and block_offsets must be the pair layout (bitmap_q4_pack_pairs)");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == rows), kOp, ": bias must have ", rows,
               " entries");
+  const bool asym = zeros.has_value() && zeros->numel() > 0;
+  TORCH_CHECK(!asym || (zeros->device().is_cpu() && zeros->scalar_type() == at::kByte && zeros->dim() == 3 &&
+                        zeros->size(0) == blocks && zeros->size(1) == scales.size(1) && zeros->size(2) == kPairRows),
+              kOp, ": zeros must be uint8 [blocks, groups, ", kPairRows, "] like the scales (bitmap_q4_pack_pairs), "
+              "or empty for the symmetric grid");
   at::Tensor y = empty_output(x, rows);
   const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
   if (m == 0 || rows == 0) return y;
 
   const at::Tensor mask = masks.contiguous(), code = codes.contiguous(), scale = scales.contiguous(),
                    offsets = block_offsets.contiguous();
+  const at::Tensor zero = asym ? zeros->contiguous() : at::Tensor();
   at::Tensor x2 = x.reshape({m, n_cols});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   std::optional<at::Tensor> bias32;
@@ -205,6 +237,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   p.codes = code.data_ptr<uint8_t>();
   p.block_offsets = offsets.data_ptr<int64_t>();
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  p.zeros = asym ? zero.data_ptr<uint8_t>() : nullptr;
   p.groups = scale.size(1);
   p.group_pairs = n_cols / p.groups / 64;
   TORCH_CHECK(p.block_offsets[0] == 0 && p.block_offsets[blocks - 1] <= code.numel() - kPairPad &&
@@ -230,7 +263,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     const at::Tensor starts = at::empty({m, p.groups}, x.options().dtype(at::kInt));
     const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
     quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
-    q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>());
+    q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>(), asym);
     p.x_values = q8.values;
     p.x_scales = q8.scales;
     const int64_t panels = (rows + kPrefillPanelRows - 1) / kPrefillPanelRows;
@@ -260,10 +293,10 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
 TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
   m.def("bitmap_q4_i8_prefill(str mode=\"\") -> str", &leap_sparse::prefill_op);
-  m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols) -> "
-        "(Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales)");
+  m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
+        "Tensor? zeros=None) -> (Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, Tensor zeros)");
   m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "
-        "int n_rows, int n_cols, Tensor? bias=None) -> Tensor");
+        "int n_rows, int n_cols, Tensor? bias=None, Tensor? zeros=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) {

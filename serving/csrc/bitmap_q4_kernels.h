@@ -122,8 +122,9 @@ void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, 
 // (kPrefillPanelRows rows) into a u8 layout for vpdpbusd (per 4-column quad and 16 rows one 64-byte register:
 // lane i = the row's 4 bytes, level + 15) and multiplied by a register-blocked int8 kernel.
 constexpr int64_t kPrefillPanelRows = 32;
-// -15 * the sum of q over each group of x's rows: starts[i * groups + g], where each group's integer dot begins.
-void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts);
+// -15 * the sum of q over each group of x's rows: starts[i * groups + g], where each group's integer dot begins;
+// asym (the asymmetric grid): -1 * that sum, which the kernel multiplies with each row's zero point.
+void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts, bool asym);
 // y[:, rows of panels panel_begin..panel_end] for all p.m rows of x (p.x_values, p.x_scales set; `starts` as
 // q8_group_starts_avx512 makes them).
 void q4_pairs_prefill_panels_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin,

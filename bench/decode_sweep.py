@@ -63,10 +63,13 @@ def call(weight: Q4Weight, huge: bool, activations: str):
     place = huge_page_copy if huge else torch.clone
     if activations == "int8":
         pairs = weight.pairs()
-        parts = tuple(place(t) for t in pairs.tensors().values())
-        return lambda x: torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, *parts, pairs.n_rows, pairs.n_cols)
+        named = {name: place(t) for name, t in pairs.tensors().items()}
+        zeros = named.pop("zeros", None)  # the asymmetric grid's
+        return lambda x: torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, *named.values(), pairs.n_rows,
+                                                                       pairs.n_cols, None, zeros)
     parts = tuple(place(t) for t in (weight.bitmap, weight.codes, weight.scales, weight.row_offsets))
-    return lambda x: torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, *parts, weight.n_cols, None)
+    zeros = None if weight.zeros is None else place(weight.zeros)
+    return lambda x: torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, *parts, weight.n_cols, None, zeros)
 
 
 def main() -> None:

@@ -146,7 +146,7 @@ class Q4Weight:
     def pairs(self) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups)."""
         masks, codes, block_offsets, scales, zeros = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
-            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, None)
+            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros)
         return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols, zeros)
 
     def nbytes(self) -> int:

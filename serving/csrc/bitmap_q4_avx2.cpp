@@ -5,8 +5,10 @@
 // unaligned 8-byte read from the code byte the byte's first kept weight is in, shifted by a nibble when
 // it is a high one, pdep spreading 8 nibbles into 8 bytes), and a pshufb control from a table indexed by
 // the mask byte moves them to the byte's set bits (zero elsewhere); code - 7.5 in fp32, masked to zero
-// where the bit is clear. The structure follows bitmap_avx2.cpp: one weight row at a time, chunks of up
-// to 4 rows of x, not tuned by timing (the machines here run the AVX-512 kernels).
+// where the bit is clear. The asymmetric grid (Q4Problem::zeros, which loses far less quality) subtracts
+// the group's zero point instead of 7.5: the same instructions, an offset set once per group (a template
+// parameter keeps the symmetric code as it was). The structure follows bitmap_avx2.cpp: one weight row at
+// a time, chunks of up to 4 rows of x, not tuned by timing (the machines here run the AVX-512 kernels).
 #include <immintrin.h>
 
 #include <cstring>

@@ -10,6 +10,18 @@
 // and each group's end folds them into the row's sums with the group's fp32 scale (acc += s * group).
 // fp16 and fp32 x are widened to fp32 by the op; their words' levels are widened too and multiplied with
 // vfmadd (exact levels, fp32 products).
+// The asymmetric grid (Q4Problem::zeros: a 4-bit zero point per row and group, level code - zero, which loses
+// far less quality than code - 7.5) only changes the vpermw table: one of 16 constant tables (kZeroLevels,
+// bf16 of code - zero, exact), chosen per row and group; pruned columns stay zero-masked by the expand. A
+// template parameter (Z) keeps the symmetric kernels' code as it was (bit for bit the same results). The
+// M <= 4 loop reads each group's table through a pointer that zero_tables writes per block of rows (16 groups
+// per step); measured (the op, bf16 x, 50%, G = 64, 1 thread, 2 vCPUs shared with other jobs, interleaved,
+// medians): M = 1 gate_up 16384x2048 (rotated through 128 MB) 1.04 against 0.85 ms, 3072x576 0.075 against
+// 0.058 ms (1.23-1.29x); M = 400 (decoded tiles, table s * (c - zero) per group) 0.99-1.01x. Tried (3072x576,
+// hot): tables loaded from constant addresses and no zero_tables 1.03-1.05x, so the cost is the per-block
+// pass (about 14%) and the table load that waits on its pointer (about 10%); byte offsets instead of
+// pointers, a double buffer (the next block's tables written a block ahead), blocks of 2 or 3 rows and the
+// table as vpermw's memory operand were no faster.
 // Blocks of R weight rows are walked word by word, each word decoded once and multiplied with up to 8
 // rows of x; above 8 rows of x, blocks of 2 rows run chunks of up to 4 rows of x, the first keeping the
 // decoded words in a buffer for the others, so every weight is read from memory once per call.
@@ -375,19 +387,47 @@ alignas(64) constexpr uint64_t kWideShifts[8] = {0x000c000800040000ull, 0x001c00
 alignas(64) constexpr int64_t kCodeBytes[33] = {0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
                                                 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15, 16, 16};
 
-// Row r's zero-point tables (the asymmetric grid): tables[r * groups + g] = kZeroLevels.table[zero of group g],
-// 16 groups per step.
-inline void zero_tables(const uint8_t* zeros, int64_t groups, const uint16_t** tables) {
-  const __m512i first = _mm512_set1_epi64(reinterpret_cast<long long>(kZeroLevels.table[0]));
+// Byte i of vpermb's result takes row i % R's zero point of group i / R, from 16 bytes per row (row r's at r * 16).
+template <int R>
+struct Interleave {
+  alignas(64) uint8_t index[64];
+};
+
+template <int R>
+constexpr Interleave<R> make_interleave() {
+  Interleave<R> t{};
+  for (int i = 0; i < 64; ++i) t.index[i] = static_cast<uint8_t>(i < 16 * R ? (i % R) * 16 + i / R : 0);
+  return t;
+}
+
+template <int R>
+alignas(64) constexpr Interleave<R> kInterleave = make_interleave<R>();
+
+// The block's zero points (the asymmetric grid) as their tables in kZeroLevels, interleaved so that one pointer
+// walks them: tables[g * R + r] = the table of row `row` + r's zero point of group g; 16 groups of every row per
+// step.
+template <int R>
+inline void zero_tables(const Q4Problem& p, int64_t row, const uint16_t** tables) {
   const __m128i nibble = _mm_set1_epi8(0x0f);
-  for (int64_t g = 0; g < groups; g += 16) {
-    const int64_t n = smaller(16, groups - g);
-    const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1), zeros + g / 2);
-    const __m128i z = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-    const __m512i low = _mm512_add_epi64(first, _mm512_slli_epi64(_mm512_cvtepu8_epi64(z), 6));
-    const __m512i high = _mm512_add_epi64(first, _mm512_slli_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(z, 8)), 6));
-    _mm512_mask_storeu_epi64(tables + g, static_cast<__mmask8>((1u << smaller(n, 8)) - 1), low);
-    if (n > 8) _mm512_mask_storeu_epi64(tables + g + 8, static_cast<__mmask8>((1u << (n - 8)) - 1), high);
+  const __m512i first = _mm512_set1_epi64(reinterpret_cast<long long>(kZeroLevels.table[0]));
+  const __m512i index = _mm512_load_si512(kInterleave<R>.index);
+  for (int64_t g = 0; g < p.groups; g += 16) {
+    const int64_t n = smaller(16, p.groups - g);
+    const __mmask16 bytes = static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1);
+    __m512i rows = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+      const __m128i b = _mm_maskz_loadu_epi8(bytes, p.zeros + (row + r) * p.zeros_stride + g / 2);
+      const __m128i z = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+      rows = _mm512_inserti32x4(rows, z, r);
+    }
+    alignas(64) uint8_t zeros[64];  // [g][r], 16 R bytes
+    _mm512_store_si512(zeros, _mm512_permutexvar_epi8(index, rows));
+    const int64_t count = n * R;  // tables written
+    for (int64_t k = 0; k < count; k += 8) {
+      const __m512i z = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + k)));
+      _mm512_mask_storeu_epi64(tables + g * R + k, static_cast<__mmask8>((1u << smaller(count - k, 8)) - 1),
+                               _mm512_add_epi64(first, _mm512_slli_epi64(z, 6)));
+    }
   }
 }
 
@@ -420,24 +460,24 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
     }
     if constexpr (Z) {
       const uint8_t* zr = p.zeros + (row + r) * p.zeros_stride;
-      zero_tables(zr, p.groups, tables + r * p.groups);
       if (ahead != nullptr && row + R + r < p.rows) {
         for (int64_t b = 0; b < p.zeros_stride; b += 64) _mm_prefetch(reinterpret_cast<const char*>(zr + R * p.zeros_stride) + b, _MM_HINT_T0);
       }
     }
   }
+  if constexpr (Z) zero_tables<R>(p, row, tables);
   const uint8_t* bits = p.bitmap + row * row_bytes;  // row r's word w at bits + r * row_bytes + 4 w
   const char* x = static_cast<const char*>(p.x);
   const float* s32 = scales32;
-  const uint16_t* const* tz = tables;  // row r's group at tz[r * p.groups], as s32
-  for (int64_t w = 0; w < words; w += gw, ++s32, ++tz) {
+  const uint16_t* const* tz = tables;
+  for (int64_t w = 0; w < words; w += gw, ++s32, tz += R) {
     __m512 part[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
     __m512i table[R];
     for (int r = 0; r < R; ++r) {
       if constexpr (Z) {
-        table[r] = _mm512_load_si512(tz[r * p.groups]);
+        table[r] = _mm512_load_si512(tz[r]);
       } else {
         table[r] = levels;
       }
@@ -499,8 +539,9 @@ void lean_rows(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64
   const Distances ahead = block_distances(p, row_begin, row_end, R);
   const Distances single = block_distances(p, row_begin, row_end, 1);
   float* scales32 = static_cast<float*>(std::aligned_alloc(64, ((R * p.groups + 15) / 16 * 16 + 16) * 4));
+  // 16 groups per step of zero_tables: whole steps of R * 16 pointers.
   const uint16_t** tables =
-      Z ? static_cast<const uint16_t**>(std::aligned_alloc(64, (R * p.groups + 7) / 8 * 64)) : nullptr;
+      Z ? static_cast<const uint16_t**>(std::aligned_alloc(64, (p.groups + 15) / 16 * R * 128)) : nullptr;
   with_group_words(p.group_words, [&](auto gw) {
     constexpr int GW = decltype(gw)::value;
     int64_t row = row_begin;

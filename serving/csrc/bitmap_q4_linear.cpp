@@ -1,7 +1,8 @@
 // The torch ops of the native CPU linear layer on the `bitmap-q4` layout (sparse_formats/bitmap_q4.py):
 //   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None)
 //       -> y = x W^T + b, W[r, c] = scales[r, c / G] * (code - 7.5) where kept, 0 elsewhere; with zeros (the
-//          asymmetric grid, bitmap_q4_kernels.h) scales[r, c / G] * (code - zero of row r and group c / G)
+//          asymmetric grid, bitmap_q4_kernels.h: far less quality lost than with 7.5) scales[r, c / G] *
+//          (code - zero of row r and group c / G); bitmap_q4_avx512.cpp measures what it costs
 //   leap_sparse_cpu::bitmap_q4_validate(bitmap, codes, scales, row_offsets, n_cols, zeros=None)
 //       -> checks every row's offset against the bitmap (once, when a layer loads: it reads the whole bitmap)
 // Registered as a fragment of the leap_sparse_cpu library that bitmap_linear.cpp defines, and using the

@@ -122,7 +122,7 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
     @torch.library.register_fake("leap_sparse_cpu::bitmap_q4_linear")
-    def _q4(x, bitmap, codes, scales, row_offsets, n_cols, bias=None):
+    def _q4(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None):
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
     @torch.library.register_fake("leap_sparse_cpu::bitmap_q4_i8_linear")

@@ -3,7 +3,8 @@ dense masked matmul computed plainly in float64 (`get_format("bitmap-q4").decode
 on every instruction-set path this CPU runs, x in bf16, fp16 and fp32, 1 and 2 threads, M = 1..17, 24, 40
 (the sparse kernels), 41 and 64 (fp32 tiles and ATen's GEMM), groups of 32, 64 and 128 columns, row counts
 that are not a multiple of the kernels' blocks, densities 0, 0.5 and 1, tensor-parallel row slices, and
-reads that must stay inside the codes tensor (a guard page after it)."""
+reads that must stay inside the codes tensor (a guard page after it); and the asymmetric grid (`zeros`: a
+4-bit zero point per row and group) against a dense weight built in the test from codes, scales and zeros."""
 
 import pytest
 import torch
@@ -50,7 +51,9 @@ def encoded(rows: int, cols: int, density: float, group: int = 64, seed: int = 0
 
 
 def call(op, x, t: dict[str, torch.Tensor], bias=None):
-    return op(x, t["bitmap"], t["codes"], t["scales"], t["row_offsets"], t["bitmap"].shape[1] * 8, bias)
+    """The op on t's tensors, with t's zero points (the asymmetric grid) when it has them."""
+    return op(x, t["bitmap"], t["codes"], t["scales"], t["row_offsets"], t["bitmap"].shape[1] * 8, bias,
+              t.get("zeros"))
 
 
 # Above this many rows of x the op multiplies decoded tiles with ATen's GEMM; with bf16 x the tiles are
@@ -256,27 +259,182 @@ assert cpu_kernel.load()
 torch.ops.leap_sparse_cpu.set_isa(sys.argv[1])
 libc = ctypes.CDLL(None)
 fmt = get_format("bitmap-q4")
-for rows, density in ((3, 1.0), (40, 0.03), (1, 0.02), (17, 0.5)):
-    t = fmt.encode(torch.randn(rows, 256), torch.rand(rows, 256) < density, group_size=32)
-    n = t["codes"].numel()
+buffers = []
+
+
+def guarded(tensor):  # a copy of the uint8 tensor that ends right before an inaccessible page
+    n = tensor.numel()
     page = mmap.PAGESIZE
     size = (n // page + 2) * page
     buf = mmap.mmap(-1, size)
+    buffers.append(buf)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    assert libc.mprotect(ctypes.c_void_p(addr + size - page), page, 0) == 0  # PROT_NONE after the codes
-    codes = torch.frombuffer(buf, dtype=torch.uint8)[size - page - n:size - page]
-    codes.copy_(t["codes"])
+    assert libc.mprotect(ctypes.c_void_p(addr + size - page), page, 0) == 0  # PROT_NONE after the data
+    copy = torch.frombuffer(buf, dtype=torch.uint8)[size - page - n:size - page].view(tensor.shape)
+    copy.copy_(tensor)
+    return copy
+
+
+for rows, density, group in ((3, 1.0, 32), (40, 0.03, 32), (1, 0.02, 32), (17, 0.5, 32), (5, 0.5, 128)):
+    t = fmt.encode(torch.randn(rows, 256), torch.rand(rows, 256) < density, group_size=group)
+    codes = guarded(t["codes"])
+    dense = fmt.decode(t)
+    # the asymmetric grid: zero points 8 (as 7.5, but whole), in a guarded tensor too ((groups + 1) / 2 bytes)
+    groups = 256 // group
+    zeros = guarded(torch.full((rows, (groups + 1) // 2), 0x88, dtype=torch.uint8))
+    codes8, scales, mask = fmt.unpack(t)
+    shifted = torch.where(mask, scales.float().repeat_interleave(group, 1) * (codes8.float() - 8), 0.0)
     for m in (1, 3, 8, 9, 41):
         x = torch.randn(m, 256).to(torch.bfloat16)
-        y = torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, t["bitmap"], codes, t["scales"], t["row_offsets"],
-                                                       256)
-        ref = x.float() @ fmt.decode(t).T
-        assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * (1 + float(ref.abs().max())))
+        for z, w in ((None, dense), (zeros, shifted)):
+            y = torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, t["bitmap"], codes, t["scales"],
+                                                           t["row_offsets"], 256, None, z)
+            ref = x.float() @ w.T
+            assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * (1 + float(ref.abs().max())))
 print("inside")
 """
 
 
 def test_reads_stay_inside_the_codes_tensor(op, isa):
-    """The codes end right before an inaccessible page: a load past their end kills the child process."""
+    """The codes (and the zero points) end right before an inaccessible page: a load past their end kills the
+    child process."""
     done = run_python(GUARD_PAGE, isa)
     assert done.returncode == 0 and done.stdout.strip() == "inside", done.stderr[-2000:]
+
+
+# ---- the asymmetric grid: W = scale * (code - zero) on kept entries, a 4-bit zero per row and group ----
+
+
+def pack_zeros(zeros: torch.Tensor) -> torch.Tensor:
+    """zeros [rows, groups] (0..15) as the op takes them: uint8 [rows, (groups + 1) / 2], group g in byte
+    g / 2, the low nibble for even g (an odd count's last high nibble 0)."""
+    if zeros.shape[1] % 2:
+        zeros = torch.cat([zeros, torch.zeros(zeros.shape[0], 1, dtype=zeros.dtype)], dim=1)
+    return (zeros[:, 0::2] | zeros[:, 1::2] << 4).to(torch.uint8).contiguous()
+
+
+def asymmetric(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, mask: torch.Tensor):
+    """(the stored tensors with packed zeros, the dense fp32 weight: scale * (code - zero) where kept, else
+    0)."""
+    group = mask.shape[1] // scales.shape[1]
+    t = FMT.pack(codes, scales, mask)
+    t["zeros"] = pack_zeros(zeros)
+    level = codes.float() - zeros.float().repeat_interleave(group, dim=1)
+    dense = torch.where(mask, scales.float().repeat_interleave(group, dim=1) * level, torch.zeros(()))
+    return t, dense
+
+
+def random_asymmetric(rows: int, cols: int, group: int, density: float = 0.5, seed: int = 0):
+    """Random codes, positive scales from 2^-10 to 1 and nonuniform zero points 0..15 (every value where there
+    are enough groups); row 0 kept whole, row 1 emptied (more than two rows); group 0 of the last row with all
+    its kept weights at the zero level (a group of zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = cols // group
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    mask = torch.rand(rows, cols, generator=gen) < density
+    if rows > 2:
+        mask[0], mask[1] = True, False
+    scales = (2.0 ** -(10 * torch.rand(rows, groups, generator=gen))).to(torch.float16)
+    zeros = (torch.randperm(16, generator=gen).repeat(rows * groups // 16 + 1)[: rows * groups]
+             .view(rows, groups).to(torch.uint8))
+    codes[-1, :group] = zeros[-1, 0]
+    return asymmetric(codes, scales, zeros, mask)
+
+
+# (rows, cols, group): an odd number of groups (3, 3, 17, 9), an even one (8, 64), rows not a multiple of the
+# kernels' blocks, more than 16 groups a row (the AVX-512 M <= 4 kernel reads zero points 16 groups a step).
+ASYM_SHAPES = [(5, 96, 32), (7, 192, 64), (9, 256, 32), (67, 576, 64), (13, 2176, 128), (6, 4096, 64)]
+ASYM_MS = [1, 2, 3, 4, 5, 8, 9, 17, 40, 41, 64]
+
+
+@pytest.mark.parametrize("xdtype", XDTYPES, ids=str)
+@pytest.mark.parametrize("shape", ASYM_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_asymmetric_grid_matches_its_dense_matmul(op, isa, threads, xdtype, shape):
+    rows, cols, group = shape
+    t, dense = random_asymmetric(rows, cols, group, seed=rows)
+    assert not dense[-1, :group].any()
+    bias = torch.randn(rows).to(xdtype)
+    for m in ASYM_MS:
+        x = torch.randn(m, cols).to(xdtype)
+        b = bias if m % 2 else None
+        got = call(op, x, t, b)
+        assert got.shape == (m, rows) and got.dtype == xdtype
+        assert excess(got, x, dense, b) <= 0, f"{isa} {xdtype} M {m}"
+
+
+@pytest.mark.parametrize("xdtype", XDTYPES, ids=str)
+def test_asymmetric_small_integers_give_exact_results(op, isa, one_thread, xdtype):
+    """Scale 1 and codes within 1 of their group's zero point (0..15, clamped): weights -1, 0, 1, x in
+    {-1, 0, 1} over 160 columns (5 groups of 32): every partial sum is an integer below 256, so every path (M
+    from the sparse kernels to the bf16 and fp32 tiles) must match the reference bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    zeros = torch.randint(0, 16, (70, 5), generator=gen, dtype=torch.uint8)
+    step = torch.randint(-1, 2, (70, 160), generator=gen)
+    codes = (zeros.repeat_interleave(32, dim=1) + step).clamp(0, 15).to(torch.uint8)
+    mask = torch.rand(70, 160, generator=gen) < 0.5
+    t, dense = asymmetric(codes, torch.ones(70, 5, dtype=torch.float16), zeros, mask)
+    for m in (1, 2, 3, 5, 8, 9, 17, 40, 41, 64):
+        x = torch.randint(-1, 2, (m, 160), generator=gen).to(xdtype)
+        assert torch.equal(call(op, x, t), (x.double() @ dense.double().T).to(xdtype)), m
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
+def test_asymmetric_gemm_tiles_are_the_weight_rounded_once(op, isa, one_thread, xdtype):
+    """x = I above SPARSE_MAX_M rows: the tiles themselves (exact in fp32, rounded once to bf16 for bf16 x),
+    over several tiles (300 rows of 4096 columns)."""
+    for rows, cols, group in [(67, 576, 64), (300, 4096, 64)]:
+        t, dense = random_asymmetric(rows, cols, group, seed=cols)
+        assert torch.equal(call(op, torch.eye(cols).to(xdtype), t).T, dense.to(xdtype)), (isa, rows, cols)
+
+
+def test_asymmetric_results_do_not_depend_on_threads_or_the_other_rows_of_x(op, isa):
+    t, _ = random_asymmetric(301, 576, 64, density=0.4)
+    assert_threads_agree(lambda x: call(op, x, t), 576, (1, 2, 3, 4, 8, 16, 20, 40, 48))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(40, 576).to(torch.bfloat16)
+        alone = torch.cat([call(op, x[i : i + 1], t) for i in range(40)])
+        for m in (2, 4, 5, 9, 40):
+            assert torch.equal(call(op, x[:m], t), alone[:m]), m
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("start,stop", [(0, 20), (20, 45), (13, 14), (44, 45)])
+def test_asymmetric_tensor_parallel_row_slices(op, isa, one_thread, start, stop):
+    """A rank's rows start..stop: codes re-based by the first offset, scales and zero points sliced alike."""
+    t, dense = random_asymmetric(45, 192, 64)
+    first = int(t["row_offsets"][start])
+    last = int(t["row_offsets"][stop]) if stop < 45 else t["codes"].numel()
+    part = {"bitmap": t["bitmap"][start:stop], "codes": t["codes"][first:last],
+            "scales": t["scales"][start:stop], "row_offsets": t["row_offsets"][start:stop] - first,
+            "zeros": t["zeros"][start:stop]}
+    for m in (1, 5, 9, 41):
+        x = torch.randn(m, 192).to(torch.bfloat16)
+        bias = torch.randn(stop - start) if m % 2 else None
+        assert excess(call(op, x, part, bias), x, dense[start:stop], bias) <= 0
+
+
+def test_bad_zeros_are_refused_with_a_message(op):
+    t, _ = random_asymmetric(8, 192, 64)  # 3 groups: 2 bytes a row
+    validate = torch.ops.leap_sparse_cpu.bitmap_q4_validate
+    args = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 192)
+    validate(*args, t["zeros"])
+    shape = (r"zeros must be uint8 \[8, 2\] \(two 4-bit zero points a byte for the 3 groups of each row\), "
+             "got ")
+    for zeros, got in [(torch.zeros(8, 3, dtype=torch.uint8), r"Byte \[8, 3\]"),
+                       (torch.zeros(7, 2, dtype=torch.uint8), r"Byte \[7, 2\]"),
+                       (torch.zeros(16, dtype=torch.uint8), r"Byte \[16\]"),
+                       (t["zeros"].to(torch.int32), r"Int \[8, 2\]")]:
+        with pytest.raises(RuntimeError, match="bitmap_q4_linear: " + shape + got):
+            call(op, torch.randn(2, 192), {**t, "zeros": zeros})
+        with pytest.raises(RuntimeError, match="bitmap_q4_validate: " + shape + got):
+            validate(*args, zeros)
+
+
+def test_asymmetric_op_stays_opaque_under_torch_compile(op):
+    t, dense = random_asymmetric(12, 64, 32)
+    args = (torch.randn(4, 64), t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 64, torch.randn(12),
+            t["zeros"])
+    assert_opaque_under_compile(op, args, lambda x: call(op, x, t), dense)

@@ -10,6 +10,18 @@
 // and each group's end folds them into the row's sums with the group's fp32 scale (acc += s * group).
 // fp16 and fp32 x are widened to fp32 by the op; their words' levels are widened too and multiplied with
 // vfmadd (exact levels, fp32 products).
+// The asymmetric grid (Q4Problem::zeros: a 4-bit zero point per row and group, level code - zero, which loses
+// far less quality than code - 7.5) only changes the vpermw table: one of 16 constant tables (kZeroLevels,
+// bf16 of code - zero, exact), chosen per row and group; pruned columns stay zero-masked by the expand. A
+// template parameter (Z) keeps the symmetric kernels' code as it was (bit for bit the same results). The
+// M <= 4 loop reads each group's table through a pointer that zero_tables writes per block of rows (16 groups
+// per step); measured (the op, bf16 x, 50%, G = 64, 1 thread, 2 vCPUs shared with other jobs, interleaved,
+// medians): M = 1 gate_up 16384x2048 (rotated through 128 MB) 1.04 against 0.85 ms, 3072x576 0.075 against
+// 0.058 ms (1.23-1.29x); M = 400 (decoded tiles, table s * (c - zero) per group) 0.99-1.01x. Tried (3072x576,
+// hot): tables loaded from constant addresses and no zero_tables 1.03-1.05x, so the cost is the per-block
+// pass (about 14%) and the table load that waits on its pointer (about 10%); byte offsets instead of
+// pointers, a double buffer (the next block's tables written a block ahead), blocks of 2 or 3 rows and the
+// table as vpermw's memory operand were no faster.
 // Blocks of R weight rows are walked word by word, each word decoded once and multiplied with up to 8
 // rows of x; above 8 rows of x, blocks of 2 rows run chunks of up to 4 rows of x, the first keeping the
 // decoded words in a buffer for the others, so every weight is read from memory once per call.
@@ -92,6 +104,33 @@ alignas(64) constexpr uint16_t kLevels[32] = {
     0xc0f0, 0xc0d0, 0xc0b0, 0xc090, 0xc060, 0xc020, 0xbfc0, 0xbf00,
     0x3f00, 0x3fc0, 0x4020, 0x4060, 0x4090, 0x40b0, 0x40d0, 0x40f0};
 
+// The asymmetric grid's kLevels: table[z] holds bf16 of code - z (an integer, exact), repeated likewise.
+struct ZeroLevels {
+  alignas(64) uint16_t table[16][32];
+};
+
+constexpr uint16_t bf16_of_integer(int v) {  // |v| < 16: at most 4 significant bits
+  if (v == 0) return 0;
+  const int a = v < 0 ? -v : v;
+  const int e = a >= 8 ? 3 : a >= 4 ? 2 : a >= 2 ? 1 : 0;
+  return static_cast<uint16_t>((v < 0 ? 0x8000 : 0) | (127 + e) << 7 | ((a << (7 - e)) & 0x7f));
+}
+
+constexpr ZeroLevels make_zero_levels() {
+  ZeroLevels t{};
+  for (int z = 0; z < 16; ++z)
+    for (int i = 0; i < 32; ++i) t.table[z][i] = bf16_of_integer(i % 16 - z);
+  return t;
+}
+
+alignas(64) constexpr ZeroLevels kZeroLevels = make_zero_levels();
+static_assert(kZeroLevels.table[0][1] == 0x3f80 && kZeroLevels.table[15][0] == 0xc170);  // 1.0, -15.0
+
+// The level table of row `zeros`' group g (the asymmetric grid).
+inline __m512i levels_of(const uint8_t* zeros, int64_t g) {
+  return _mm512_load_si512(kZeroLevels.table[zero_point(zeros, g)]);
+}
+
 // vpmultishiftqb control: the low byte of 16-bit lane i of each qword takes bits 4i..4i+7.
 constexpr uint64_t kNibbleShifts = 0x000c000800040000ull;
 
@@ -103,9 +142,10 @@ struct Decoder {
   // The word's 32 weights in bf16, without the scale: levels at the set bits, zeros elsewhere. The
   // expand merges into a freshly zeroed register, not {z}: see expand16 in bitmap_avx512.cpp (on Zen 5
   // the zero-masking form waits for its destination's previous value, chaining every expand of a row).
-  inline __m512i word(uint32_t mask, const uint8_t* codes) const {
+  // `table`: kLevels, or the group's kZeroLevels table.
+  inline __m512i word(uint32_t mask, const uint8_t* codes, __m512i table) const {
     const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    __m512i packed = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(shifts, pairs), levels);
+    __m512i packed = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(shifts, pairs), table);
     __m512i fresh;
     asm("vpxord %0, %0, %0" : "=v"(fresh));  // a zero idiom per expand, not a copy of one zero register
     asm("" : "+v"(packed));
@@ -132,7 +172,7 @@ inline __m512 scale_of(const uint16_t* scales, int64_t g) {
 // later block (a distance that is not a whole number of blocks lands in a row a neighbour is reading now;
 // bitmap_avx512.cpp measured half the bandwidth that way).
 struct Distances {
-  int64_t codes, bitmap, scales;
+  int64_t codes, bitmap, scales, zeros;
 };
 
 Distances block_distances(const Q4Problem& p, int64_t row_begin, int64_t row_end, int block_rows) {
@@ -140,9 +180,10 @@ Distances block_distances(const Q4Problem& p, int64_t row_begin, int64_t row_end
   const int64_t span = row_end - 1 - row_begin;
   const int64_t codes = span > 0 ? (p.row_offsets[row_end - 1] - p.row_offsets[row_begin]) * block_rows / span : 0;
   const int64_t bitmap = block_rows * p.cols / 8, scales = block_rows * p.groups * 2;
-  const int64_t block = codes + bitmap + scales;
+  const int64_t zeros = p.zeros != nullptr ? block_rows * p.zeros_stride : 0;
+  const int64_t block = codes + bitmap + scales + zeros;
   const int64_t blocks = block > 0 ? (kPrefetchBytes + block - 1) / block : 1;
-  return {blocks * codes, blocks * bitmap, blocks * scales};
+  return {blocks * codes, blocks * bitmap, blocks * scales, blocks * zeros};
 }
 
 // How a block gets its words' weights: decoded from the layout, decoded and kept in a buffer (the first
@@ -151,20 +192,23 @@ Distances block_distances(const Q4Problem& p, int64_t row_begin, int64_t row_end
 enum class Source { Decode, DecodeKeep, Kept };
 
 // Output rows row .. row + R (R <= 4) for rows m0 .. m0 + M of x; GW words per group (0: p.group_words,
-// read at run time). Each output is the same sequence of operations whatever R, the chunks or the split
-// of rows between threads: results do not depend on them.
-template <DType D, int M, int R, int GW, Source S>
+// read at run time); Z: the asymmetric grid (p.zeros), which only Decode and DecodeKeep read. Each output is
+// the same sequence of operations whatever R, the chunks or the split of rows between threads: results do
+// not depend on them.
+template <DType D, int M, int R, int GW, Source S, bool Z>
 void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, const Distances* ahead,
            __m512i* kept) {
   const Decoder dec;
   const uint8_t* c[R];
   const uint8_t* bits[R];
   const uint16_t* sc[R];
+  const uint8_t* zr[R];
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r) {
     c[r] = base + p.row_offsets[row + r];
     bits[r] = p.bitmap + (row + r) * (p.cols / 8);
     sc[r] = p.scales + (row + r) * p.groups;
+    if constexpr (Z) zr[r] = p.zeros + (row + r) * p.zeros_stride;
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
   const int64_t gw = GW > 0 ? GW : p.group_words, words = p.cols / 32;
@@ -185,7 +229,16 @@ void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, con
         if ((w & 15) < gw) {
           _mm_prefetch(reinterpret_cast<const char*>(bits[r] + 4 * w) + ahead->bitmap, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(sc[r] + g) + ahead->scales, _MM_HINT_T0);
+          if constexpr (Z) _mm_prefetch(reinterpret_cast<const char*>(zr[r] + g / 2) + ahead->zeros, _MM_HINT_T0);
         }
+      }
+    }
+    __m512i table[R];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (Z && S != Source::Kept) {
+        table[r] = levels_of(zr[r], g);
+      } else {
+        table[r] = dec.levels;
       }
     }
     for (int64_t j = 0; j < gw; ++j, ++w) {
@@ -198,7 +251,7 @@ void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, con
           e[r] = _mm512_load_si512(kept + r * words + w);
         } else {
           const uint32_t mask = mask_word(bits[r], w);
-          e[r] = dec.word(mask, c[r]);
+          e[r] = dec.word(mask, c[r], table[r]);
           c[r] += code_bytes(mask);
           if constexpr (S == Source::DecodeKeep) _mm512_store_si512(kept + r * words + w, e[r]);
         }
@@ -247,7 +300,7 @@ inline void with_group_words(int64_t gw, Fn&& fn) {
 }
 
 // All rows of x in one chunk: blocks of R weight rows, single rows at the end of the range.
-template <DType D, int M>
+template <DType D, int M, bool Z>
 void rows_direct(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64_t row_end) {
   constexpr int R = block_rows(M);
   const Distances ahead = block_distances(p, row_begin, row_end, R);
@@ -255,21 +308,21 @@ void rows_direct(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int
   with_group_words(p.group_words, [&](auto gw) {
     constexpr int GW = decltype(gw)::value;
     int64_t row = row_begin;
-    for (; row + R <= row_end; row += R) block<D, M, R, GW, Source::Decode>(p, base, row, 0, &ahead, nullptr);
-    for (; row < row_end; ++row) block<D, M, 1, GW, Source::Decode>(p, base, row, 0, &single, nullptr);
+    for (; row + R <= row_end; row += R) block<D, M, R, GW, Source::Decode, Z>(p, base, row, 0, &ahead, nullptr);
+    for (; row < row_end; ++row) block<D, M, 1, GW, Source::Decode, Z>(p, base, row, 0, &single, nullptr);
   });
 }
 
-template <DType D, typename Ms>
+template <DType D, bool Z, typename Ms>
 struct Table;
-template <DType D, int... Ms>
-struct Table<D, std::integer_sequence<int, Ms...>> {
+template <DType D, bool Z, int... Ms>
+struct Table<D, Z, std::integer_sequence<int, Ms...>> {
   using RowsFn = void (*)(const Q4Problem&, const uint8_t*, int64_t, int64_t);
-  static constexpr RowsFn rows[] = {&rows_direct<D, Ms + 1>...};
+  static constexpr RowsFn rows[] = {&rows_direct<D, Ms + 1, Z>...};
 };
 
-template <DType D>
-using Kernels = Table<D, std::make_integer_sequence<int, kChunkMaxM>>;
+template <DType D, bool Z>
+using Kernels = Table<D, Z, std::make_integer_sequence<int, kChunkMaxM>>;
 
 // Above kChunkMaxM rows of x: blocks of kChunkRows weight rows, each running chunks of up to kWideChunkM
 // rows of x; the first chunk decodes the block's words into a buffer (L1/L2) that the others read. Two
@@ -278,20 +331,22 @@ using Kernels = Table<D, std::make_integer_sequence<int, kChunkMaxM>>;
 constexpr int kChunkRows = 2;
 constexpr int kWideChunkM = 4;
 
-template <DType D, int R, int GW>
+template <DType D, int R, int GW, bool Z>
 void block_chunks(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t chunk, const Distances* ahead,
                   __m512i* kept) {
   using Fn = void (*)(const Q4Problem&, const uint8_t*, int64_t, int64_t, const Distances*, __m512i*);
-  static constexpr Fn first[] = {&block<D, 1, R, GW, Source::DecodeKeep>, &block<D, 2, R, GW, Source::DecodeKeep>,
-                                 &block<D, 3, R, GW, Source::DecodeKeep>, &block<D, 4, R, GW, Source::DecodeKeep>};
-  static constexpr Fn later[] = {&block<D, 1, R, GW, Source::Kept>, &block<D, 2, R, GW, Source::Kept>,
-                                 &block<D, 3, R, GW, Source::Kept>, &block<D, 4, R, GW, Source::Kept>};
+  static constexpr Fn first[] = {
+      &block<D, 1, R, GW, Source::DecodeKeep, Z>, &block<D, 2, R, GW, Source::DecodeKeep, Z>,
+      &block<D, 3, R, GW, Source::DecodeKeep, Z>, &block<D, 4, R, GW, Source::DecodeKeep, Z>};
+  // The kept words are levels already, whatever the grid.
+  static constexpr Fn later[] = {&block<D, 1, R, GW, Source::Kept, false>, &block<D, 2, R, GW, Source::Kept, false>,
+                                 &block<D, 3, R, GW, Source::Kept, false>, &block<D, 4, R, GW, Source::Kept, false>};
   for (int64_t m0 = 0; m0 < p.m; m0 += chunk) {
     (m0 == 0 ? first : later)[smaller(chunk, p.m - m0) - 1](p, base, row, m0, ahead, kept);
   }
 }
 
-template <DType D>
+template <DType D, bool Z>
 void rows_chunked(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64_t row_end) {
   const int64_t chunks = (p.m + kWideChunkM - 1) / kWideChunkM;
   const int64_t chunk = (p.m + chunks - 1) / chunks;  // as even as they can be
@@ -302,9 +357,9 @@ void rows_chunked(const Q4Problem& p, const uint8_t* base, int64_t row_begin, in
     constexpr int GW = decltype(gw)::value;
     int64_t row = row_begin;
     for (; row + kChunkRows <= row_end; row += kChunkRows) {
-      block_chunks<D, kChunkRows, GW>(p, base, row, chunk, &ahead, kept);
+      block_chunks<D, kChunkRows, GW, Z>(p, base, row, chunk, &ahead, kept);
     }
-    for (; row < row_end; ++row) block_chunks<D, 1, GW>(p, base, row, chunk, &single, kept);
+    for (; row < row_end; ++row) block_chunks<D, 1, GW, Z>(p, base, row, chunk, &single, kept);
   });
   std::free(kept);
 }
@@ -332,8 +387,53 @@ alignas(64) constexpr uint64_t kWideShifts[8] = {0x000c000800040000ull, 0x001c00
 alignas(64) constexpr int64_t kCodeBytes[33] = {0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
                                                 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15, 16, 16};
 
-template <int M, int R, int GW>
-void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* scales32, const Distances* ahead) {
+// Byte i of vpermb's result takes row i % R's zero point of group i / R, from 16 bytes per row (row r's at r * 16).
+template <int R>
+struct Interleave {
+  alignas(64) uint8_t index[64];
+};
+
+template <int R>
+constexpr Interleave<R> make_interleave() {
+  Interleave<R> t{};
+  for (int i = 0; i < 64; ++i) t.index[i] = static_cast<uint8_t>(i < 16 * R ? (i % R) * 16 + i / R : 0);
+  return t;
+}
+
+template <int R>
+alignas(64) constexpr Interleave<R> kInterleave = make_interleave<R>();
+
+// The block's zero points (the asymmetric grid) as their tables in kZeroLevels, interleaved so that one pointer
+// walks them: tables[g * R + r] = the table of row `row` + r's zero point of group g; 16 groups of every row per
+// step.
+template <int R>
+inline void zero_tables(const Q4Problem& p, int64_t row, const uint16_t** tables) {
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m512i first = _mm512_set1_epi64(reinterpret_cast<long long>(kZeroLevels.table[0]));
+  const __m512i index = _mm512_load_si512(kInterleave<R>.index);
+  for (int64_t g = 0; g < p.groups; g += 16) {
+    const int64_t n = smaller(16, p.groups - g);
+    const __mmask16 bytes = static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1);
+    __m512i rows = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+      const __m128i b = _mm_maskz_loadu_epi8(bytes, p.zeros + (row + r) * p.zeros_stride + g / 2);
+      const __m128i z = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+      rows = _mm512_inserti32x4(rows, z, r);
+    }
+    alignas(64) uint8_t zeros[64];  // [g][r], 16 R bytes
+    _mm512_store_si512(zeros, _mm512_permutexvar_epi8(index, rows));
+    const int64_t count = n * R;  // tables written
+    for (int64_t k = 0; k < count; k += 8) {
+      const __m512i z = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + k)));
+      _mm512_mask_storeu_epi64(tables + g * R + k, static_cast<__mmask8>((1u << smaller(count - k, 8)) - 1),
+                               _mm512_add_epi64(first, _mm512_slli_epi64(z, 6)));
+    }
+  }
+}
+
+template <int M, int R, int GW, bool Z>
+void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* scales32, const uint16_t** tables,
+                const Distances* ahead) {
   const __m512i levels = _mm512_load_si512(kLevels);
   const __m512i shifts = _mm512_set1_epi64(static_cast<long long>(kNibbleShifts));
   const __m512i wide_shifts = _mm512_load_si512(kWideShifts);
@@ -358,14 +458,30 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
     if (ahead != nullptr && row + R + r < p.rows) {
       for (int64_t b = 0; b < p.groups * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(sc + R * p.groups) + b, _MM_HINT_T0);
     }
+    if constexpr (Z) {
+      const uint8_t* zr = p.zeros + (row + r) * p.zeros_stride;
+      if (ahead != nullptr && row + R + r < p.rows) {
+        for (int64_t b = 0; b < p.zeros_stride; b += 64) _mm_prefetch(reinterpret_cast<const char*>(zr + R * p.zeros_stride) + b, _MM_HINT_T0);
+      }
+    }
   }
+  if constexpr (Z) zero_tables<R>(p, row, tables);
   const uint8_t* bits = p.bitmap + row * row_bytes;  // row r's word w at bits + r * row_bytes + 4 w
   const char* x = static_cast<const char*>(p.x);
   const float* s32 = scales32;
-  for (int64_t w = 0; w < words; w += gw, ++s32) {
+  const uint16_t* const* tz = tables;
+  for (int64_t w = 0; w < words; w += gw, ++s32, tz += R) {
     __m512 part[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    __m512i table[R];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (Z) {
+        table[r] = _mm512_load_si512(tz[r]);
+      } else {
+        table[r] = levels;
+      }
+    }
     if (ahead != nullptr) {
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(c[r]) + ahead->codes, _MM_HINT_T0);
     }
@@ -390,7 +506,7 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
           const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c[r])));
           nibbles = _mm512_multishift_epi64_epi8(shifts, pairs);
         }
-        __m512i packed = _mm512_permutexvar_epi16(nibbles, levels);
+        __m512i packed = _mm512_permutexvar_epi16(nibbles, table[r]);
         asm("vpexpandw %0, %0%{%1%}%{z%}"
             : "+v"(packed)
             : "Yk"(_load_mask32(reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(word)))));
@@ -417,60 +533,62 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
   }
 }
 
-template <int M>
+template <int M, bool Z>
 void lean_rows(const Q4Problem& p, const uint8_t* base, int64_t row_begin, int64_t row_end) {
   constexpr int R = block_rows(M);
   const Distances ahead = block_distances(p, row_begin, row_end, R);
   const Distances single = block_distances(p, row_begin, row_end, 1);
   float* scales32 = static_cast<float*>(std::aligned_alloc(64, ((R * p.groups + 15) / 16 * 16 + 16) * 4));
+  // 16 groups per step of zero_tables: whole steps of R * 16 pointers.
+  const uint16_t** tables =
+      Z ? static_cast<const uint16_t**>(std::aligned_alloc(64, (p.groups + 15) / 16 * R * 128)) : nullptr;
   with_group_words(p.group_words, [&](auto gw) {
     constexpr int GW = decltype(gw)::value;
     int64_t row = row_begin;
-    for (; row + R <= row_end; row += R) lean_block<M, R, GW>(p, base, row, scales32, &ahead);
-    for (; row < row_end; ++row) lean_block<M, 1, GW>(p, base, row, scales32, &single);
+    for (; row + R <= row_end; row += R) lean_block<M, R, GW, Z>(p, base, row, scales32, tables, &ahead);
+    for (; row < row_end; ++row) lean_block<M, 1, GW, Z>(p, base, row, scales32, tables, &single);
   });
   std::free(scales32);
+  std::free(tables);
 }
 
-template <int... Ms>
+template <bool Z, int... Ms>
 constexpr auto make_lean_kernels(std::integer_sequence<int, Ms...>) {
   using Fn = void (*)(const Q4Problem&, const uint8_t*, int64_t, int64_t);
-  return std::array<Fn, sizeof...(Ms)>{&lean_rows<Ms + 1>...};
+  return std::array<Fn, sizeof...(Ms)>{&lean_rows<Ms + 1, Z>...};
+}
+
+template <DType D, bool Z>
+void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end) {
+  const uint8_t* base = codes.base - codes.first;
+  if (D == DType::BF16 && p.m <= kLeanMaxM) {
+    static constexpr auto kernels = make_lean_kernels<Z>(std::make_integer_sequence<int, kLeanMaxM>{});
+    return kernels[p.m - 1](p, base, row_begin, row_end);
+  }
+  if (p.m <= kChunkMaxM) return Kernels<D, Z>::rows[p.m - 1](p, base, row_begin, row_end);
+  rows_chunked<D, Z>(p, base, row_begin, row_end);
 }
 
 template <DType D>
 void gemm_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end) {
-  const uint8_t* base = codes.base - codes.first;
-  if (D == DType::BF16 && p.m <= kLeanMaxM) {
-    static constexpr auto kernels = make_lean_kernels(std::make_integer_sequence<int, kLeanMaxM>{});
-    return kernels[p.m - 1](p, base, row_begin, row_end);
-  }
-  if (p.m <= kChunkMaxM) return Kernels<D>::rows[p.m - 1](p, base, row_begin, row_end);
-  rows_chunked<D>(p, base, row_begin, row_end);
+  if (p.zeros != nullptr) return gemm_rows<D, true>(p, codes, row_begin, row_end);
+  gemm_rows<D, false>(p, codes, row_begin, row_end);
 }
 
-}  // namespace
-
-void q4_gemm_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
-  }
-}
-
-void q4_decode_rows_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, float* out,
-                           int64_t out_stride) {
+// Rows of W in fp32 (q4_decode_rows_avx512).
+template <bool Z>
+void decode_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, float* out, int64_t out_stride) {
   const Decoder dec;
   const uint8_t* base = codes.base - codes.first;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const uint8_t* c = base + p.row_offsets[row];
     const uint8_t* bits = p.bitmap + row * (p.cols / 8);
     const uint16_t* sc = p.scales + row * p.groups;
+    const uint8_t* zr = Z ? p.zeros + row * p.zeros_stride : nullptr;
     float* o = out + (row - row_begin) * out_stride;
     for (int64_t w = 0; w < p.cols / 32; ++w) {
       const uint32_t mask = mask_word(bits, w);
-      const __m512i e = dec.word(mask, c);
+      const __m512i e = dec.word(mask, c, Z ? levels_of(zr, w / p.group_words) : dec.levels);
       c += code_bytes(mask);
       const __m512 s = scale_of(sc, w / p.group_words);
       _mm512_storeu_ps(o + 32 * w, _mm512_mul_ps(low_ps(e), s));
@@ -481,24 +599,30 @@ void q4_decode_rows_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, i
 
 // Prefill with bf16 x: the fp32 values above (scale * level, exact) rounded once to bf16 (round to nearest even,
 // as ATen's conversion), so that the GEMM reads a bf16 tile without a separate conversion pass. Per row and
-// group a 32-word table in place of kLevels: words c and c + 16 = bf16(s * (c - 7.5)) (the exact fp32 product,
-// vcvtneps2bf16, which reads denormals as zero: none occur, the smallest nonzero weight is 2^-25); pruned
-// weights +0, as 0 * s (the format refuses negative scales). Measured (the op with its GEMMs skipped, 50%, M =
-// 400, 1 thread): gate_up 16384x2048 1.3-1.35 ms, as the pair layout's (q4_pairs_decode_blocks_bf16_avx512);
-// with a zero-masking expand in place of the merge into a fresh zero, 1.57.
-void q4_decode_rows_bf16_avx512(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, uint16_t* out,
-                                int64_t out_stride) {
+// group a 32-word table in place of kLevels: words c and c + 16 = bf16(s * (c - 7.5)) (or s * (c - zero), the
+// asymmetric grid; the exact fp32 product, vcvtneps2bf16, which reads denormals as zero: none occur, the smallest
+// nonzero weight is 2^-25, 2^-24 asymmetric); pruned weights +0, as 0 * s (the format refuses negative scales).
+// Measured (the op with its GEMMs skipped, 50%, M = 400, 1 thread): gate_up 16384x2048 1.3-1.35 ms, as the pair
+// layout's (q4_pairs_decode_blocks_bf16_avx512); with a zero-masking expand in place of the merge into a fresh
+// zero, 1.57.
+template <bool Z>
+void decode_rows_bf16(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row_end, uint16_t* out,
+                      int64_t out_stride) {
   const Decoder dec;
   const __m512 levels = _mm512_set_ps(7.5f, 6.5f, 5.5f, 4.5f, 3.5f, 2.5f, 1.5f, 0.5f, -0.5f, -1.5f, -2.5f, -3.5f,
                                       -4.5f, -5.5f, -6.5f, -7.5f);
+  const __m512 codes16 = _mm512_add_ps(levels, _mm512_set1_ps(7.5f));  // 0..15
   const uint8_t* base = codes.base - codes.first;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const uint8_t* c = base + p.row_offsets[row];
     const uint8_t* bits = p.bitmap + row * (p.cols / 8);
     const uint16_t* sc = p.scales + row * p.groups;
+    const uint8_t* zr = Z ? p.zeros + row * p.zeros_stride : nullptr;
     uint16_t* o = out + (row - row_begin) * out_stride;
     for (int64_t g = 0, w = 0; g < p.groups; ++g) {
-      const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(scale_of(sc, g), levels));
+      const __m512 level =
+          Z ? _mm512_sub_ps(codes16, _mm512_set1_ps(static_cast<float>(zero_point(zr, g)))) : levels;
+      const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(scale_of(sc, g), level));
       const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(values), values, 1);
       for (const int64_t end = w + p.group_words; w < end; ++w) {
         const uint32_t mask = mask_word(bits, w);
@@ -511,6 +635,28 @@ void q4_decode_rows_bf16_avx512(const Q4Problem& p, Codes codes, int64_t row_beg
       }
     }
   }
+}
+
+}  // namespace
+
+void q4_gemm_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
+  switch (p.dtype) {
+    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
+    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
+    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
+  }
+}
+
+void q4_decode_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end, float* out,
+                           int64_t out_stride) {
+  if (p.zeros != nullptr) return decode_rows<true>(p, c, row_begin, row_end, out, out_stride);
+  decode_rows<false>(p, c, row_begin, row_end, out, out_stride);
+}
+
+void q4_decode_rows_bf16_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end, uint16_t* out,
+                                int64_t out_stride) {
+  if (p.zeros != nullptr) return decode_rows_bf16<true>(p, c, row_begin, row_end, out, out_stride);
+  decode_rows_bf16<false>(p, c, row_begin, row_end, out, out_stride);
 }
 
 }  // namespace leap_sparse

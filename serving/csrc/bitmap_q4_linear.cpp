@@ -1,7 +1,9 @@
 // The torch ops of the native CPU linear layer on the `bitmap-q4` layout (sparse_formats/bitmap_q4.py):
-//   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None)
-//       -> y = x W^T + b, W[r, c] = scales[r, c / G] * (code - 7.5) where kept, 0 elsewhere
-//   leap_sparse_cpu::bitmap_q4_validate(bitmap, codes, scales, row_offsets, n_cols)
+//   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None)
+//       -> y = x W^T + b, W[r, c] = scales[r, c / G] * (code - 7.5) where kept, 0 elsewhere; with zeros (the
+//          asymmetric grid, bitmap_q4_kernels.h: far less quality lost than with 7.5) scales[r, c / G] *
+//          (code - zero of row r and group c / G); bitmap_q4_avx512.cpp measures what it costs
+//   leap_sparse_cpu::bitmap_q4_validate(bitmap, codes, scales, row_offsets, n_cols, zeros=None)
 //       -> checks every row's offset against the bitmap (once, when a layer loads: it reads the whole bitmap)
 // Registered as a fragment of the leap_sparse_cpu library that bitmap_linear.cpp defines, and using the
 // instruction set that its isa()/set_isa() choose (one choice for both ops). Up to kSparseMaxM rows of x
@@ -77,12 +79,24 @@ int64_t check_layout(const char* op, const at::Tensor& bitmap, const at::Tensor&
   return n_cols / scales.size(1);
 }
 
+// The zero points' checks (both ops): uint8 [rows, (groups + 1) / 2], two 4-bit zeros a byte.
+void check_zeros(const char* op, const std::optional<at::Tensor>& zeros, const at::Tensor& scales) {
+  if (!zeros.has_value()) return;
+  const int64_t rows = scales.size(0), stride = (scales.size(1) + 1) / 2;
+  TORCH_CHECK(zeros->device().is_cpu(), op, " takes CPU tensors");
+  TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->dim() == 2 && zeros->size(0) == rows &&
+                  zeros->size(1) == stride,
+              op, ": zeros must be uint8 [", rows, ", ", stride, "] (two 4-bit zero points a byte for the ",
+              scales.size(1), " groups of each row), got ", zeros->scalar_type(), " ", zeros->sizes());
+}
+
 at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor& row_offsets, int64_t n_cols,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& zeros) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_linear";
   const Q4Isa isa = current_q4_isa();
   const int64_t group = check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
+  check_zeros(kOp, zeros, scales);
   TORCH_CHECK(x.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()), kOp, " takes CPU tensors");
   const DType dtype = x_dtype(x.scalar_type(), kOp, " x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n_cols, kOp, ": x has ", x.dim() >= 1 ? x.size(-1) : 0,
@@ -120,6 +134,12 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   p.groups = scale.size(1);
   p.group_words = group / 32;
+  at::Tensor zero;
+  if (zeros.has_value()) {
+    zero = zeros->contiguous();
+    p.zeros = zero.data_ptr<uint8_t>();
+    p.zeros_stride = zero.size(1);
+  }
 
   // Codes of the last rows, with kCodePad zeros after them (see bitmap_linear.cpp).
   const int64_t unpadded = first_unpadded_row(offset, rows, n_codes, kCodePad);
@@ -167,9 +187,10 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
 }
 
 void bitmap_q4_validate(const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& row_offsets, int64_t n_cols) {
+                        const at::Tensor& row_offsets, int64_t n_cols, const std::optional<at::Tensor>& zeros) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_validate";
   check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
+  check_zeros(kOp, zeros, scales);
   const at::Tensor bits = bitmap.contiguous(), offsets = row_offsets.contiguous();
   const int32_t* offset = offsets.data_ptr<int32_t>();
   int64_t expected = 0;
@@ -187,8 +208,9 @@ void bitmap_q4_validate(const at::Tensor& bitmap, const at::Tensor& codes, const
 
 TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_linear(Tensor x, Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
-        "Tensor? bias=None) -> Tensor");
-  m.def("bitmap_q4_validate(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols) -> ()");
+        "Tensor? bias=None, Tensor? zeros=None) -> Tensor");
+  m.def("bitmap_q4_validate(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
+        "Tensor? zeros=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) {

@@ -36,6 +36,10 @@ inline uint32_t mask_word(const uint8_t* row, int64_t w) {
 // Bytes of 4-bit codes of a word of the bitmap-q4 layout: ceil(popcount / 2).
 inline int code_bytes(uint32_t mask) { return (_mm_popcnt_u32(mask) + 1) >> 1; }
 
+// Group g's zero point of a row of the bitmap-q4 layout's zeros (the asymmetric grid): the low nibble of byte
+// g / 2 for even g, the high one for odd g.
+inline int zero_point(const uint8_t* zeros, int64_t g) { return (zeros[g >> 1] >> ((g & 1) * 4)) & 15; }
+
 inline uint16_t round_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

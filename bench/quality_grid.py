@@ -2,7 +2,8 @@
 no zero level) against two asymmetric ones, before building either into the format and the kernels.
 
 - `symmetric`: the shipped grid (`leapctl.quantize.rtn`: scale searched per group over 16 clips).
-- `asym-zero`: `scale * (code - zero)` with an integer zero in 0..15 per group (GPTQ's asymmetric grid).
+- `asym-zero`: `scale * (code - zero)` with an integer zero in 0..15 per group (GPTQ's asymmetric grid; the
+  search `quantize --grid asymmetric` runs, `leapctl.quantize.rtn.search_asymmetric`).
   A pruned weight is exactly the zero point, so a kernel can expand the kept codes into a register of
   the zero (merge-masked `vpexpandb`) and subtract `zero * sum(x over the group)`, which no row changes:
   one more multiply-add per row and group.
@@ -32,15 +33,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from leapctl.data import WIKI_SUMMARIES, WIKI_SUMMARIES_HELDOUT, calibration_batch, load_documents  # noqa: E402
+from quality_head import eval_texts  # noqa: E402
+
+from leapctl.data import WIKI_SUMMARIES, calibration_batch  # noqa: E402
 from leapctl.eval import perplexity  # noqa: E402
 from leapctl.masks import MaskSet  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
-from leapctl.paths import assets_dir  # noqa: E402
 from leapctl.prune import prune_model  # noqa: E402
 from leapctl.prune.sequential import update_under_masks  # noqa: E402
 from leapctl.prune.sparsegpt import SparseGPTPruner, inverse_hessian_factor  # noqa: E402
-from leapctl.quantize.rtn import CLIP_STEPS, SMALLEST_CLIP, round_to_grid, search_scales  # noqa: E402
+from leapctl.quantize.rtn import (  # noqa: E402
+    CLIP_STEPS,
+    SMALLEST_CLIP,
+    round_to_grid,
+    search_asymmetric,
+    search_scales,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEVELS = 16
@@ -64,16 +72,6 @@ def symmetric_values(w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch
     return round_to_grid(w, params[0].unsqueeze(1))
 
 
-def _asym_candidates(w: torch.Tensor, keep: torch.Tensor):
-    """(lo, hi) of each row's kept weights, with 0 inside (a zero point must be a level), and the shrinks."""
-    big = torch.finfo(torch.float32).max
-    lo = torch.where(keep, w, torch.full((), big)).amin(dim=1).clamp(max=0)
-    hi = torch.where(keep, w, torch.full((), -big)).amax(dim=1).clamp(min=0)
-    lo = torch.where(keep.any(dim=1), lo, torch.zeros(()))
-    hi = torch.where(keep.any(dim=1), hi, torch.zeros(()))
-    return lo, hi, torch.linspace(1.0, SMALLEST_CLIP, CLIP_STEPS).tolist()
-
-
 def _best(w: torch.Tensor, keep: torch.Tensor, candidates, values) -> tuple[torch.Tensor, ...]:
     """The candidate parameters with the least squared error on each row's kept weights."""
     best, best_error = None, None
@@ -88,23 +86,14 @@ def _best(w: torch.Tensor, keep: torch.Tensor, candidates, values) -> tuple[torc
     return tuple(best)
 
 
-def zero_values(w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    scale, zero = (p.float().unsqueeze(1) for p in params)
-    safe = torch.where(scale > 0, scale, torch.ones(()))
-    codes = (torch.round(w / safe) + zero).clamp(0, LEVELS - 1)
-    return (codes - zero) * scale
-
-
 def zero_fit(w: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    lo, hi, shrinks = _asym_candidates(w, keep)
+    """`quantize --grid asymmetric`'s own search, for one group."""
+    scales, zeros = search_asymmetric(w, keep, w.shape[1])
+    return scales[:, 0], zeros[:, 0]
 
-    def candidate(shrink: float):
-        scale = ((hi - lo) * shrink / (LEVELS - 1)).to(torch.float16)
-        safe = torch.where(scale > 0, scale.float(), torch.ones(()))
-        zero = torch.round(-lo * shrink / safe).clamp(0, LEVELS - 1)
-        return scale, zero
 
-    return _best(w, keep, [candidate(s) for s in shrinks], zero_values)
+def zero_values(w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return round_to_grid(w, params[0].unsqueeze(1), params[1].unsqueeze(1))
 
 
 def min_values(w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -201,12 +190,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model, dtype=torch.float32)
-    texts = {f"held-apart summaries (first {args.heldout})":
-             "\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)[:args.heldout])}
-    wikitext = (assets_dir() or Path("/nonexistent")) / "wikitext-2-raw" / "wiki.test.raw"
-    if wikitext.is_file():
-        chars = args.wikitext_chars
-        texts[f"WikiText-2 test (first {chars} chars)"] = wikitext.read_text()[:chars]
+    texts = eval_texts(args.heldout, args.wikitext_chars)
     calib = calibration_batch(WIKI_SUMMARIES, tokenizer, args.nsamples, args.seq_len, seed=0)
     mask_set: MaskSet = prune_model(model, "wanda", args.sparsity, calib)
     pruned = {name: model.get_submodule(name.removesuffix(".weight")).weight.detach().clone()

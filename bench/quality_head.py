@@ -43,6 +43,17 @@ def head_variants(dense: torch.Tensor) -> dict[str, tuple[torch.Tensor, bool]]:
             "8-bit, x rounded per row": (int8, True), "4-bit, group 64 (rtn)": (four, False)}
 
 
+def eval_texts(heldout: int, wikitext_chars: int) -> dict[str, str]:
+    """Label -> text: the first `heldout` held-apart Wikipedia summaries and, where the shared assets hold it,
+    the first `wikitext_chars` characters of WikiText-2's test split."""
+    texts = {f"wiki-summaries-heldout (first {heldout})":
+             "\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)[:heldout])}
+    wikitext = (assets_dir() or Path("/nonexistent")) / "wikitext-2-raw" / "wiki.test.raw"
+    if wikitext.is_file():
+        texts[f"WikiText-2 test (first {wikitext_chars} chars)"] = wikitext.read_text()[:wikitext_chars]
+    return texts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="smollm2-135m")
@@ -54,12 +65,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     model, tokenizer = load_model(args.model, dtype=torch.float32)
-    texts = {f"wiki-summaries-heldout (first {args.heldout})":
-             "\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)[:args.heldout])}
-    wikitext = (assets_dir() or Path("/nonexistent")) / "wikitext-2-raw" / "wiki.test.raw"
-    if wikitext.is_file():
-        chars = args.wikitext_chars
-        texts[f"WikiText-2 test (first {chars} chars)"] = wikitext.read_text()[:chars]
+    texts = eval_texts(args.heldout, args.wikitext_chars)
     head = model.get_output_embeddings()
     dense = head.weight.detach().clone()
     rows = []

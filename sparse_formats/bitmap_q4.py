@@ -102,8 +102,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, mask: torch.Tensor,
     most 16 significant bits)."""
     group_size = codes.shape[1] // scales.shape[1]
     scale = scales.float().repeat_interleave(group_size, dim=1)
-    values = scale * (codes.float() - grid_offset(zeros if zeros is None else zeros.to(codes.device),
-                                                  codes.shape[1]))
+    offset = grid_offset(None if zeros is None else zeros.to(codes.device), codes.shape[1])
+    values = scale * (codes.float() - offset)
     return torch.where(mask, values, torch.zeros((), device=values.device))
 
 

@@ -1,7 +1,8 @@
 """What lm_head's grid costs in perplexity: a model scored with lm_head as it is, on the 8-bit grid
 (`quantize --lm-head-bits 8`, `sparse_formats.int8_rows`: int8 codes, one fp16 scale per row), with x also
 rounded as the served 8-bit lm_head rounds it (`serving.int8_linear.int8_rows_activations`, per token), and
-on the 4-bit grid (`--lm-head-bits 4`, round to nearest, group 64, before any tuning). Only lm_head changes
+on the 4-bit grids (`--lm-head-bits 4`, symmetric and `--grid asymmetric`, round to nearest, groups of 64 and
+32, before any tuning). Only lm_head changes
 (untied from the input embedding), so the rows isolate it.
 
     python bench/quality_head.py [MODEL] [--heldout 60] [--wikitext-chars 60000] [--seq-len 1024]
@@ -27,7 +28,7 @@ from leapctl.data import WIKI_SUMMARIES_HELDOUT, load_documents  # noqa: E402
 from leapctl.eval import perplexity  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
 from leapctl.paths import assets_dir  # noqa: E402
-from leapctl.quantize.rtn import rtn_quantize  # noqa: E402
+from leapctl.quantize.rtn import GRIDS, rtn_quantize  # noqa: E402
 from serving.int8_linear import int8_rows_activations  # noqa: E402
 from sparse_formats import int8_rows  # noqa: E402
 
@@ -38,9 +39,14 @@ def head_variants(dense: torch.Tensor) -> dict[str, tuple[torch.Tensor, bool]]:
     """Variant name -> (lm_head weight, whether its input is rounded to int8 per row)."""
     scales = int8_rows.row_scales(dense)
     int8 = int8_rows.dequantize(int8_rows.quantize_codes(dense, scales), scales)
-    four, _, _ = rtn_quantize(dense, torch.ones(dense.shape, dtype=torch.bool), 64)
-    return {"16-bit (as it is)": (dense, False), "8-bit": (int8, False),
-            "8-bit, x rounded per row": (int8, True), "4-bit, group 64 (rtn)": (four, False)}
+    everything = torch.ones(dense.shape, dtype=torch.bool)
+    variants = {"16-bit (as it is)": (dense, False), "8-bit": (int8, False),
+                "8-bit, x rounded per row": (int8, True)}
+    for grid in GRIDS:
+        for group in (64, 32):
+            four, _, _ = rtn_quantize(dense, everything, group, grid)
+            variants[f"4-bit {grid}, group {group} (rtn)"] = (four, False)
+    return variants
 
 
 def eval_texts(heldout: int, wikitext_chars: int) -> dict[str, str]:

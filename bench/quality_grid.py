@@ -134,7 +134,8 @@ def rtn(weight: torch.Tensor, mask: torch.Tensor, grid: Grid, group_size: int) -
 
 def gptq(weight: torch.Tensor, mask: torch.Tensor, hessian: torch.Tensor, grid: Grid, group_size: int,
          block: int = 128) -> torch.Tensor:
-    """`leapctl.quantize.gptq.gptq_quantize` with the grid as a parameter (the same steps and order)."""
+    """`leapctl.quantize.gptq.gptq_quantize` in its natural order (`act_order=False`, what these results
+    were measured with) with the grid as a parameter."""
     W = weight.detach().float().clone()
     cols = W.shape[1]
     U, dead = inverse_hessian_factor(hessian)

@@ -43,27 +43,62 @@ def test_the_scale_search_never_loses_to_plain_absmax():
     assert bool((searched <= plain).all()) and float(searched.sum()) < float(plain.sum())
 
 
-def test_gptq_with_a_diagonal_hessian_is_round_to_nearest():
+@pytest.mark.parametrize("act_order", [True, False], ids=["act-order", "natural-order"])
+@pytest.mark.parametrize("grid", ["symmetric", "asymmetric"])
+def test_gptq_with_a_diagonal_hessian_is_round_to_nearest(act_order, grid):
+    """Without correlations no error moves between columns, in either order: GPTQ is rtn."""
     weight, mask = weight_and_mask(16, 256, seed=2)
     hessian = torch.diag(torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5)
-    got, got_scales, _ = gptq_quantize(weight, mask, hessian, 64)
-    expected, expected_scales, _ = rtn_quantize(weight, mask, 64)
+    got, got_scales, got_zeros = gptq_quantize(weight, mask, hessian, 64, grid=grid, act_order=act_order)
+    expected, expected_scales, expected_zeros = rtn_quantize(weight, mask, 64, grid)
     assert torch.equal(got_scales, expected_scales)
+    assert got_zeros is expected_zeros is None or torch.equal(got_zeros, expected_zeros)
     assert torch.equal(got, expected)
 
 
-def test_gptq_lowers_the_output_error_on_correlated_inputs():
+def correlated_inputs(cols: int, seed: int) -> torch.Tensor:
+    """Calibration inputs of rank ~32 plus noise, with input channels of very different energy (as a
+    model's are: what act order sorts by)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, cols, generator=gen) \
+        + 0.1 * torch.randn(2048, cols, generator=gen)
+    return x * (0.2 + 3 * torch.rand(cols, generator=gen))
+
+
+@pytest.mark.parametrize("act_order", [True, False], ids=["act-order", "natural-order"])
+def test_gptq_lowers_the_output_error_on_correlated_inputs(act_order):
     weight, mask = weight_and_mask(64, 256, seed=4)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen) \
-        + 0.1 * torch.randn(2048, 256, generator=gen)
+    x = correlated_inputs(256, seed=5)
     hessian = 2 * x.T @ x / x.shape[0]
     target = x @ (weight * mask).T
-    gptq, scales, _ = gptq_quantize(weight * mask, mask, hessian, 64)
+    gptq, scales, _ = gptq_quantize(weight * mask, mask, hessian, 64, act_order=act_order)
     rtn, _, _ = rtn_quantize(weight, mask, 64)
     Q4.encode(gptq, mask, scales=scales)
     assert bool((gptq[~mask] == 0).all())
     assert float((x @ gptq.T - target).norm()) < 0.7 * float((x @ rtn.T - target).norm())
+
+
+@pytest.mark.parametrize("grid", ["symmetric", "asymmetric"])
+def test_act_order_fixes_every_group_grid_up_front_and_lowers_the_error(grid):
+    """Act order (the default) searches each group's grid on its weights as they are, before any error
+    moves (so the grids are rtn's), and on inputs of uneven energy ends with a smaller output error than
+    the natural order. A dead input (never active) counts as 0 in the grid search, as GPTQ treats it."""
+    weight, mask = weight_and_mask(64, 256, seed=6)
+    x = correlated_inputs(256, seed=7)
+    x[:, 3] = 0
+    hessian = 2 * x.T @ x / x.shape[0]
+    target = x @ (weight * mask).T
+    errors = {}
+    for act_order in (True, False):
+        got, scales, zeros = gptq_quantize(weight, mask, hessian, 64, grid=grid, act_order=act_order)
+        errors[act_order] = float((x @ got.T - target).norm())
+        if act_order:
+            dead_zeroed = weight.clone()
+            dead_zeroed[:, 3] = 0
+            _, rtn_scales, rtn_zeros = rtn_quantize(dead_zeroed, mask, 64, grid)
+            assert torch.equal(scales, rtn_scales)
+            assert zeros is rtn_zeros is None or torch.equal(zeros, rtn_zeros)
+    assert errors[True] < errors[False]
 
 
 @pytest.mark.parametrize("autocast", [False, True])

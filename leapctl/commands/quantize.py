@@ -56,10 +56,10 @@ def run(config: QuantizeConfig) -> dict:
         calib_ids = calibration_batch(calib, tokenizer, config.nsamples, config.seq_len, config.seed,
                                       model=model, text_field=config.text_field)
         calibration = {"source": calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
-                       "seed": config.seed, "tokens": int(calib_ids.numel())}
+                       "seed": config.seed, "tokens": int(calib_ids.numel()), "act_order": config.act_order}
     started = time.perf_counter()
     options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
-                                                       progress=config.progress)
+                                                       progress=config.progress, act_order=config.act_order)
     scales, zeros = quantize_model(model, source.masks, config.method, config.group_size, calib_ids,
                                    config.grid, **options)
     if config.lm_head_bits == 4:  # before tuning, which then learns its scales with the rest

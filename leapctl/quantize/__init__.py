@@ -59,9 +59,9 @@ def rtn_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids=N
 
 def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids: torch.Tensor | None = None,
                 grid: str = SYMMETRIC, device: str | torch.device | None = None, batch_size: int = 8,
-                progress: bool = True) -> Params:
+                progress: bool = True, act_order: bool = True) -> Params:
     """GPTQ with the masks fixed, block by block (`prune.sequential.update_under_masks`), each block
-    calibrated on what the already-quantized blocks produce."""
+    calibrated on what the already-quantized blocks produce; `act_order`: `gptq.gptq_quantize`'s."""
     from leapctl.prune.sequential import update_under_masks
 
     if calib_ids is None:
@@ -70,7 +70,7 @@ def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids:
     zeros: dict[str, torch.Tensor] = {}
     update_under_masks(model, calib_ids, mask_set,
                        lambda linear, mask, name: GPTQQuantizer(linear, mask, group_size, scales, name, grid,
-                                                                zeros),
+                                                                zeros, act_order),
                        "gptq 4-bit", device=device, batch_size=batch_size, progress=progress)
     return scales, zeros
 

@@ -57,21 +57,21 @@ def call(op, x, t: dict[str, torch.Tensor], bias=None):
 
 
 # Above this many rows of x the op multiplies decoded tiles with ATen's GEMM; with bf16 x the tiles are
-# rounded to bf16 first (serving/csrc/bitmap_q4_linear.cpp), half an ulp of each weight: 2^-9 relative.
+# rounded to bf16 first (serving/csrc/bitmap_q4_linear.cpp), half an ulp of each weight: 2^-8 relative.
 SPARSE_MAX_M = 40
 
 
 def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias) -> float:
     """How far the worst output lies outside its bound (<= 0: all inside). Per output: the fp32 sums'
     error, at most cols * 2^-23 * sum |x w| (K additions at 2^-24 each, with a factor 2 for the group
-    folds and the order), plus 2^-9 * sum |x w| where bf16 tiles round the weights, then the rounding to
-    the output dtype, 2^-bits of the value."""
-    product = x.double() @ dense.double().T
-    expected = product + (0 if bias is None else bias.double())
+    folds and the order), plus 2^-8 * (sum |x w| + |b|) where bf16 tiles round the weights and the bf16 GEMM
+    takes the bias in bf16 (as F.linear does), then the rounding to the output dtype, 2^-bits of the value."""
+    b = 0 if bias is None else bias.double()
+    expected = x.double() @ dense.double().T + b
     magnitude = x.double().abs() @ dense.double().abs().T
     summing = dense.shape[1] * 2.0**-23 * magnitude
     if x.dtype == torch.bfloat16 and x.reshape(-1, x.shape[-1]).shape[0] > SPARSE_MAX_M:
-        summing = summing + 2.0**-9 * magnitude
+        summing = summing + 2.0**-8 * (magnitude + abs(b))
     # the output dtype's subnormal spacing: a tiny fp16 result rounds to a multiple of it
     subnormal = torch.finfo(got.dtype).smallest_normal * 2.0 ** (1 - SIGNIFICANT_BITS[got.dtype])
     bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + subnormal

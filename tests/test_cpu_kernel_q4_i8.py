@@ -81,8 +81,8 @@ def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group:
     - above (the prefill kernel): per group g an exact integer dot d_g times s_g = fp32(0.5 s_w * s_x) (one
       rounding, 2^-24 relative), the G terms summed by fused multiply-adds in group order (G roundings), then
       the bias added (one more): (G + 2) * 2^-24 * (sum |x w| + |b|);
-    - with `tiles`: fp32 tiles and GEMM, cols * 2^-23 * sum |x w|; bf16 tiles (bf16 x) 2^-9 * sum |x w|
-      more."""
+    - with `tiles`: fp32 tiles and GEMM, cols * 2^-23 * sum |x w|; bf16 tiles (bf16 x) 2^-8 * (sum |x w| +
+      |b|) more, the bf16 GEMM taking the bias in bf16 as F.linear does."""
     rows_of_x = x.reshape(-1, x.shape[-1]).shape[0]
     as_is = tiles and rows_of_x > INT8_MAX_ROWS
     multiplied = (x.float() if as_is else int8_activations(x, group)).double()
@@ -94,7 +94,7 @@ def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group:
     else:
         summing = dense.shape[1] * 2.0**-23 * magnitude
     if x.dtype == torch.bfloat16 and as_is:
-        summing = summing + 2.0**-9 * magnitude
+        summing = summing + 2.0**-8 * (magnitude + abs(b))
     bound = summing + 2.0 ** -SIGNIFICANT_BITS[got.dtype] * (expected.abs() + summing) + 1e-30
     return ((got.double() - expected).abs() - bound).max().item() if got.numel() else 0.0
 

@@ -23,7 +23,7 @@ console = Console()
 MODEL = "smollm2-135m"
 HELDOUT_SAMPLE = 60  # held-apart summaries scored by the demo's eval step
 LEARN_STEPS, LEARN_BATCH, LEARN_SEQ_LEN = 150, 4, 256  # 1024 tokens a step
-# quantize's GPTQ calibration and scale tuning, shortened for a CPU demo (its defaults take about an hour on
+# quantize's GPTQ calibration and scale tuning, shortened for a CPU demo (its defaults take about two hours on
 # SmolLM2 there): 32 windows of 256 tokens, 50 tuning steps of 4 of them
 QUANTIZE_SAMPLES, QUANTIZE_TUNE_STEPS = 32, 50
 

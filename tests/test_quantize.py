@@ -156,6 +156,41 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
     assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
+def test_scale_tuning_with_checkpointing_recomputes_blocks_and_learns_the_same_scales(stories260k_dir):
+    """Property: recomputing each decoder block in the backward (gradient checkpointing) is an exact
+    rewrite of the same computation: the same KL at every step and the same scales, bit for bit; the blocks
+    did run twice a step (forward and recompute), and are left in eval mode with checkpointing off."""
+    from test_serve_cli import magnitude_masks
+
+    from leapctl.masks import MaskSet, apply_masks
+    from leapctl.models import load_model
+    from leapctl.quantize import quantize_model
+    from leapctl.quantize.tune import tune_scales
+
+    teacher, _ = load_model(str(stories260k_dir), dtype=torch.float32)
+    ids = torch.randint(0, teacher.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    results, block_calls = {}, {}
+    for checkpointing in (False, True):
+        model, _ = load_model(str(stories260k_dir), dtype=torch.float32)
+        masks = {name: mask for name, mask in magnitude_masks(model, 0.5).items() if "down_proj" not in name}
+        mask_set = MaskSet(masks=masks, model=str(stories260k_dir))  # down_proj: 172 columns, no group of 64
+        apply_masks(model, mask_set)
+        scales, _ = quantize_model(model, mask_set, "rtn", 64)
+        block = model.model.layers[0]
+        calls = []
+        # a pre-hook: a recompute stops once it has the tensors the backward needs, before the block's end
+        hook = block.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        results[checkpointing] = tune_scales(model, teacher, scales, ids, steps=3, lr=3e-3, batch_size=4,
+                                             progress=False, checkpointing=checkpointing)
+        hook.remove()
+        block_calls[checkpointing] = len(calls)
+        assert not model.is_gradient_checkpointing and not any(m.training for m in model.modules())
+    assert block_calls == {False: 3, True: 6}
+    assert results[True].kl == results[False].kl
+    for name, layer_scales in results[False].scales.items():
+        assert torch.equal(results[True].scales[name], layer_scales)
+
+
 # ---------------------------------------------------------------- the command, on stories260K
 
 

@@ -107,11 +107,13 @@ def tune(model, tokenizer, teacher_spec: str, scales: dict, calib: str,
     windows = tuning_windows(calib, tokenizer, teacher, config.tune_steps, config.batch_size,
                              config.seq_len, config.seed, config.text_field)
     result = tune_scales(model.to(device), teacher.to(device), scales, windows, config.tune_steps,
-                         config.tune_lr, config.batch_size, config.seed, config.progress, autocast)
+                         config.tune_lr, config.batch_size, config.seed, config.progress, autocast,
+                         config.gradient_checkpointing)
     model.cpu()
     last = result.kl[-10:]
     entry = {"source": calib, "steps": config.tune_steps, "lr": config.tune_lr,
-             "batch_size": config.batch_size, "autocast": autocast, "windows": int(windows.shape[0]),
+             "batch_size": config.batch_size, "autocast": autocast,
+             "gradient_checkpointing": config.gradient_checkpointing, "windows": int(windows.shape[0]),
              "teacher": teacher_spec, "normalisation_weights": result.norms,
              "kl_first": round(result.kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
              "kl": [round(v, 5) for v in result.kl], "seconds": round(time.perf_counter() - started, 3)}

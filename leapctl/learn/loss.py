@@ -57,7 +57,7 @@ class _LanguageModelAndDistillation(torch.autograd.Function):
         log_q = torch.log_softmax(teacher.float(), dim=-1)
         q = log_q.exp()
         nll = -log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        kl = (q * (log_q - log_p)).sum(-1)
+        kl = log_q.sub_(log_p).mul_(q).sum(-1)  # in place: one [positions, vocabulary] buffer, not three
         ctx.save_for_backward(log_p, q, labels)
         ctx.student_dtype = student.dtype
         return nll.mean(), kl.mean()

@@ -47,6 +47,10 @@ class QuantizeConfig:
     autocast: bool | None = setting(None, "bf16 autocast of the tuning's matmuls (default: where the device "
                                           "multiplies bf16 in hardware: CUDA, or a CPU with AVX512-BF16 or "
                                           "AMX; master scales and the KL stay fp32).")
+    gradient_checkpointing: bool = setting(True, "Recompute each decoder block in the tuning's backward "
+                                                 "instead of holding its activations (SmolLM2, 4 x 512 "
+                                                 "tokens a step: 5.9 GB peak against 7.9, no slower, the "
+                                                 "same scales).")
     teacher: str = setting("", "Dense model the tuning distils from (default: the model the run was pruned "
                                "from, as its masks name it).", metavar="MODEL")
     calib: str = setting("", "Calibration text for gptq and tuning: file, folder, .jsonl, saved dataset, "

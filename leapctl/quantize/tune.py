@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from leapctl.data import GENERATED, corpus_ids
 from leapctl.learn.loss import language_model_and_distillation
@@ -82,14 +83,24 @@ def _sharing_modules(model: nn.Module, module: nn.Module) -> list[nn.Module]:
                        if other is not module and getattr(other, "weight", None) is module.weight]
 
 
+def _blocks_in_training_mode(model: nn.Module, training: bool) -> None:
+    """Hugging Face recomputes a block in the backward only while the block is in training mode: set the
+    blocks' own flag alone, so that their attention and dropout modules stay in eval mode (no dropout)."""
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = training
+
+
 def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Tensor],
                 calib_ids: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int = 0,
-                progress: bool = True, autocast: bool = False) -> TuneResult:
+                progress: bool = True, autocast: bool = False, checkpointing: bool = False) -> TuneResult:
     """Learn `scales` (fp16 per weight name, lm_head's included) and the normalisation weights of `model`
     (fp32, kept weights on the grid) in place, from `teacher`'s logits on random batches of the calibration
     windows `calib_ids` [n, seq_len]. A weight tied to another module (lm_head and the input embedding) gets
     one parametrization on both, so the tie holds while tuning and after. `autocast`: both models' matmuls
-in bf16 (the scales, their gradients and the KL stay fp32). Returns the new fp16 scales."""
+    in bf16 (the scales, their gradients and the KL stay fp32). `checkpointing`: each decoder block recomputed
+    in the backward instead of holding its activations (a model whose Hugging Face class supports it), as
+    `learn` does. Returns the new fp16 scales."""
     owners = {name: _sharing_modules(model, model.get_submodule(name.removesuffix(".weight")))
               for name in scales}
     for parameter in model.parameters():
@@ -106,6 +117,9 @@ in bf16 (the scales, their gradients and the KL stay fp32). Returns the new fp16
     optimizer = torch.optim.Adam([{"params": gains, "lr": lr}, {"params": norms, "lr": lr * NORM_LR_FACTOR}])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(0, steps))
     teacher.eval()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _blocks_in_training_mode(model, True)
     generator = torch.Generator().manual_seed(seed)
     history = []
     with progress_bar(progress, eta=True, fields="KL {task.fields[kl]:.4f}") as bar:
@@ -118,12 +132,16 @@ in bf16 (the scales, their gradients and the KL stay fp32). Returns the new fp16
                     teacher_logits = teacher(input_ids=batch, use_cache=False).logits
                 logits = model(input_ids=batch, use_cache=False).logits
             _, kl = language_model_and_distillation(logits, teacher_logits, batch)
+            del logits, teacher_logits  # the loss holds what its backward needs: two logit tensors fewer
             optimizer.zero_grad(set_to_none=True)
             kl.backward()
             optimizer.step()
             schedule.step()
             history.append(float(kl.detach()))
             bar.update(task, advance=1, kl=history[-1])
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+        _blocks_in_training_mode(model, False)
     new_scales = dict(scales)
     with torch.no_grad():
         for name, modules in owners.items():

@@ -248,8 +248,9 @@ def test_a_quantized_run_keeps_the_masks_and_sits_on_its_grid(wanda_run, quantiz
     assert all(torch.equal(run.masks.masks[k], source.masks.masks[k]) for k in run.masks.masks)
     assert run.quantization["bits"] == 4 and run.quantization["group_size"] == 64
     weights = load_file(str(quantized_run / "model.safetensors"))
+    assert run.quantization["grid"] == "asymmetric"  # the default
     for name, mask in run.masks.masks.items():
-        Q4.encode(weights[name], mask, scales=run.scales[name])
+        Q4.encode(weights[name], mask, scales=run.scales[name], zeros=run.zeros[name])
         assert bool((weights[name][~mask] == 0).all())
     # lm_head on the 8-bit grid by default: stories260K ties it to the input embedding, which holds its values
     assert run.quantization["lm_head_bits"] == 8

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from leapctl.data import GENERATED, corpus_ids
 from leapctl.learn.loss import language_model_and_distillation
@@ -83,12 +82,15 @@ def _sharing_modules(model: nn.Module, module: nn.Module) -> list[nn.Module]:
                        if other is not module and getattr(other, "weight", None) is module.weight]
 
 
-def _blocks_in_training_mode(model: nn.Module, training: bool) -> None:
-    """Hugging Face recomputes a block in the backward only while the block is in training mode: set the
-    blocks' own flag alone, so that their attention and dropout modules stay in eval mode (no dropout)."""
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            module.training = training
+def _checkpointing_on(model: nn.Module) -> list[nn.Module]:
+    """Turn on Hugging Face's recomputation of each decoder block in the backward; returns the modules that
+    decide it (the blocks, or the model in older transformers), put in training mode because Hugging Face
+    recomputes only there. Their own flag alone: attention and dropout modules stay in eval mode."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    deciding = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False)]
+    for module in deciding:
+        module.training = True
+    return deciding
 
 
 def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Tensor],
@@ -117,9 +119,7 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
     optimizer = torch.optim.Adam([{"params": gains, "lr": lr}, {"params": norms, "lr": lr * NORM_LR_FACTOR}])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(0, steps))
     teacher.eval()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        _blocks_in_training_mode(model, True)
+    checkpointed = _checkpointing_on(model) if checkpointing else []
     generator = torch.Generator().manual_seed(seed)
     history = []
     with progress_bar(progress, eta=True, fields="KL {task.fields[kl]:.4f}") as bar:
@@ -139,9 +139,10 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
             schedule.step()
             history.append(float(kl.detach()))
             bar.update(task, advance=1, kl=history[-1])
+    for module in checkpointed:
+        module.training = False
     if checkpointing:
         model.gradient_checkpointing_disable()
-        _blocks_in_training_mode(model, False)
     new_scales = dict(scales)
     with torch.no_grad():
         for name, modules in owners.items():

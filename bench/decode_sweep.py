@@ -43,7 +43,8 @@ def load_layers(export: Path) -> list[tuple[str, Q4Weight]]:
 
     def weight(prefix: str) -> Q4Weight:
         parts = {name: tensors[f"{prefix}.{name}"] for name in ("shape", "bitmap", "codes", "scales",
-                                                               "row_offsets")}
+                                                               "row_offsets", "zeros")
+                 if f"{prefix}.{name}" in tensors}  # zeros: the asymmetric grid's
         return Q4Weight.from_tensors("bitmap-q4", parts)
 
     layers, index = [], 0

@@ -72,7 +72,7 @@ def call(op, x, pairs, bias=None):
 
 
 def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group: int,
-           tiles: bool = False) -> float:
+           tiles: bool = False, terms: torch.Tensor | None = None) -> float:
     """How far the worst output lies outside its bound (<= 0: all inside). The reference multiplies x as
     the op does (rounded to int8 per group; with `tiles` x as it is above 8 rows) with the exact weight in
     float64. Bounds on the fp32 arithmetic, then the rounding to the output dtype by 2^-bits of the value:
@@ -82,13 +82,16 @@ def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group:
       rounding, 2^-24 relative), the G terms summed by fused multiply-adds in group order (G roundings), then
       the bias added (one more): (G + 2) * 2^-24 * (sum |x w| + |b|);
     - with `tiles`: fp32 tiles and GEMM, cols * 2^-23 * sum |x w|; bf16 tiles (bf16 x) 2^-8 * (sum |x w| +
-      |b|) more, the bf16 GEMM taking the bias in bf16 as F.linear does."""
+      |b|) more, the bf16 GEMM taking the bias in bf16 as F.linear does.
+    `terms`: what the decoding kernel sums in fp32 in place of |w| where that is more (the asymmetric
+    grid's)."""
     rows_of_x = x.reshape(-1, x.shape[-1]).shape[0]
     as_is = tiles and rows_of_x > INT8_MAX_ROWS
     multiplied = (x.float() if as_is else int8_activations(x, group)).double()
     b = 0 if bias is None else bias.double()
     expected = multiplied @ dense.double().T + b
-    magnitude = multiplied.abs() @ dense.double().abs().T
+    decoding = rows_of_x <= INT8_MAX_ROWS and not tiles
+    magnitude = multiplied.abs() @ (terms if decoding and terms is not None else dense.abs()).double().T
     if rows_of_x > INT8_MAX_ROWS and not tiles:
         summing = (dense.shape[1] // group + 2) * 2.0**-24 * (magnitude + abs(b))
     else:
@@ -339,11 +342,13 @@ ASYM_MS = [1, 2, 3, 4, 5, 8, 9, 17, 41]
 
 
 def asymmetric(rows: int, cols: int, group: int, density: float, seed: int = 0):
-    """(stored tensors, stored zero points, W) of a random weight on the asymmetric grid: codes, fp16
+    """(stored tensors, stored zero points, W, terms) of a random weight on the asymmetric grid: codes, fp16
     scales and zero points 0..15 drawn at random (a fifth of the row-groups with every code at the zero
     point: W 0 there), the tensors packed by the format with the zero points two to a byte as stored (group
     g of a row in byte g / 2, the low nibble for even g), and W = scale * (code - zero) where kept, 0
-    elsewhere. Rows 0 and 1 kept whole and emptied (> 2 rows, density < 1)."""
+    elsewhere. Rows 0 and 1 kept whole and emptied (> 2 rows, density < 1). `terms`: per weight, what the
+    decoding kernel sums in fp32 (excess): scale * (code, or the zero point where pruned) in the integer dots,
+    and scale * zero point in the zero points' term subtracted after them."""
     gen = torch.Generator().manual_seed(seed)
     groups = cols // group
     mask = torch.rand(rows, cols, generator=gen) < density
@@ -359,7 +364,9 @@ def asymmetric(rows: int, cols: int, group: int, density: float, seed: int = 0):
     weight = torch.where(mask, weight, torch.zeros(()))
     padded = torch.cat([zeros, torch.zeros(rows, groups % 2, dtype=torch.uint8)], 1)
     stored = padded[:, 0::2] | (padded[:, 1::2] << 4)
-    return FMT.pack(codes * mask, scales, mask), stored, weight
+    spread = scales.float().repeat_interleave(group, 1)
+    terms = spread * (torch.where(mask, codes.float(), level.float()) + level.float())
+    return FMT.pack(codes * mask, scales, mask), stored, weight, terms
 
 
 def asym_pairs(t: dict[str, torch.Tensor], stored: torch.Tensor) -> Q4Pairs:
@@ -377,7 +384,7 @@ def asym_call(op, x, pairs: Q4Pairs, bias=None):
 def test_pack_pairs_lays_out_the_zero_points(op):
     """One byte per row and group in the scales' order ([blocks, groups, 4], padded rows 0); without zero
     points an empty tensor, which Q4Pairs.tensors() leaves out."""
-    t, stored, _ = asymmetric(7, 384, 64, 0.5)
+    t, stored, *_ = asymmetric(7, 384, 64, 0.5)
     pairs = asym_pairs(t, stored)
     zeros = torch.stack([stored & 0xF, stored >> 4], 2).reshape(7, -1)[:, :6]
     expected = torch.cat([zeros, torch.zeros(1, 6, dtype=torch.uint8)]).view(2, 4, 6).transpose(1, 2)
@@ -394,7 +401,7 @@ def test_asymmetric_grid_matches_the_reference(op, threads, xdtype, shape):
     int8_activations(x) @ W^T with W = scale * (code - zero) on kept weights."""
     rows, cols, group = shape
     for density in DENSITIES:
-        t, stored, weight = asymmetric(rows, cols, group, density, seed=rows + int(10 * density))
+        t, stored, weight, terms = asymmetric(rows, cols, group, density, seed=rows + int(10 * density))
         pairs = asym_pairs(t, stored)
         bias = torch.randn(rows)
         for m in ASYM_MS:
@@ -402,7 +409,7 @@ def test_asymmetric_grid_matches_the_reference(op, threads, xdtype, shape):
             b = bias if m % 2 else None
             got = asym_call(op, x, pairs, b)
             assert got.shape == (m, rows) and got.dtype == xdtype
-            assert excess(got, x, weight, b, group) <= 0, f"{xdtype} density {density} M {m}"
+            assert excess(got, x, weight, b, group, terms=terms) <= 0, f"{xdtype} density {density} M {m}"
 
 
 def test_asymmetric_prefill_gives_the_weight_times_127_exactly(op, one_thread):
@@ -411,7 +418,7 @@ def test_asymmetric_prefill_gives_the_weight_times_127_exactly(op, one_thread):
     layout, padded blocks, the dense layout."""
     for rows, cols, group in [*ASYM_SHAPES[:5], (16, 192, 64), (40, 640, 320)]:
         for density in DENSITIES:
-            t, stored, weight = asymmetric(rows, cols, group, density, seed=rows)
+            t, stored, weight, _ = asymmetric(rows, cols, group, density, seed=rows)
             got = asym_call(op, torch.eye(cols) * 127, asym_pairs(t, stored))
             assert torch.equal(got, weight.T * 127), (rows, cols, group, density)
 
@@ -421,7 +428,7 @@ def test_asymmetric_tiles_decode_the_weight_exactly(op, one_thread, tiles):
     random x within the tiles' bound."""
     for rows, cols, group in ASYM_SHAPES:
         for density in DENSITIES:
-            t, stored, weight = asymmetric(rows, cols, group, density, seed=rows + 1)
+            t, stored, weight, _ = asymmetric(rows, cols, group, density, seed=rows + 1)
             pairs = asym_pairs(t, stored)
             assert torch.equal(asym_call(op, torch.eye(cols), pairs).T, weight), (rows, cols, density)
             got = asym_call(op, torch.eye(cols).to(torch.bfloat16), pairs)
@@ -434,17 +441,17 @@ def test_asymmetric_tiles_decode_the_weight_exactly(op, one_thread, tiles):
 @pytest.mark.parametrize("group", [64, 192])
 def test_asymmetric_dense_layout(op, threads, group):
     """Every weight kept and rows a whole number of blocks: no masks, no expand; every M still matches."""
-    t, stored, weight = asymmetric(16, 384, group, 1.0, seed=group)
+    t, stored, weight, terms = asymmetric(16, 384, group, 1.0, seed=group)
     pairs = asym_pairs(t, stored)
     assert pairs.masks.numel() == 0
     for m in ASYM_MS:
         x = torch.randn(m, 384).to(torch.bfloat16)
         b = torch.randn(16) if m % 2 else None
-        assert excess(asym_call(op, x, pairs, b), x, weight, b, group) <= 0, m
+        assert excess(asym_call(op, x, pairs, b), x, weight, b, group, terms=terms) <= 0, m
 
 
 def test_asymmetric_threads_agree_and_the_symmetric_grid_is_untouched(op):
-    t, stored, _ = asymmetric(301, 576, 64, 0.4)
+    t, stored, *_ = asymmetric(301, 576, 64, 0.4)
     pairs = asym_pairs(t, stored)
     assert_threads_agree(lambda x: asym_call(op, x, pairs), 576, (1, 2, 5, 8, 9, 41))
     sym = pairs_of(encoded(45, 640, 0.5))
@@ -456,7 +463,7 @@ def test_asymmetric_threads_agree_and_the_symmetric_grid_is_untouched(op):
 
 
 def test_bad_zero_points_are_refused(op):
-    t, stored, _ = asymmetric(8, 384, 64, 0.5)  # 6 groups: 3 bytes a row
+    t, stored, *_ = asymmetric(8, 384, 64, 0.5)  # 6 groups: 3 bytes a row
     pack = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs
     args = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"], 384)
     for bad in (stored[:, :2], stored[:7], torch.zeros(8, 6, dtype=torch.uint8), stored.to(torch.int32),

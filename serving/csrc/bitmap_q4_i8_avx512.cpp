@@ -128,12 +128,19 @@
 // group), because it loses far less quality than s * (code - 7.5): every kernel here has it as an `Asym` template
 // variant, so the symmetric instantiations are the instructions they were (their disassembly compared function by
 // function with the kernel before). Its decoder makes u = code (other gf2p8affineqb matrices) merged into the row's
-// zero point broadcast where pruned (in place of 15s), and each lane's dot starts from -zero * q's sum over its 4
-// columns (one more vpdpbusd per row and row of x, on -q as bytes: |q| <= 127), so it ends at exactly the kept
-// columns' (code - zero) * q, folded with s_w * s_x: exact integer dots as in the symmetric kernel, the same error
-// bounds (a weight at its zero level contributes exactly 0). Not tried: that term folded per group in fp32 (s_w s_x
-// zero * the group's sum of q, independent of the mask: fewer instructions, but lanes of code * q rounded relative
-// to 15 |q| instead of |code - zero| |q|). Prefill: each group's dot starts at -zero * the group's sum of q (a
+// zero point broadcast where pruned (in place of 15s), so each group's integer dot is the kept columns' code * q
+// plus zero * the pruned columns' q; the decoding kernels add zero * (-(the group's sum of q)) per row and group in
+// fp32, outside the pair loop (add_zero_term, from the block's table, the zero points and quantize_x's group sums),
+// which leaves the kept columns' (code - zero) * q. The first version started each lane's dot from -zero * q's sum
+// over its 4 columns instead (one more vpdpbusd per row, pair and row of x; exact integer dots, a weight at its zero
+// level exactly 0); this one rounds lanes of u * q and the term relative to s (u + zero) |q| (the tests' bound for
+// it), so a row whose weights are all 0 gives ~1e-7 of its scale rather than 0. Measured (bench/decode_sweep.py on
+// the 1B shape's mag60 asym export, huge pages, int8 x, core 0; main's kernel, this one and the symmetric grid
+// alternating by process, 4 runs each, the machine busy: cold figures 12.7-15.2 ms for all three, useless): hot
+// 12.03-12.43 ms (median 12.18) to 11.83-12.18 (12.0), lower in each of the 4 pairs; symmetric 11.30-11.55. Not
+// kept: the zero points from a table of dwords made per block (a dword broadcast is a load alone, a byte's also a
+// shuffle): cold 18.1-20.0 against 13.8-15.5 symmetric, down_proj's 128 groups worst (the table's L1 space).
+// Prefill: each group's dot starts at -zero * the group's sum of q (a
 // vpmulld per register and row of x and group); tiles: s * (code - zero), exact, bf16 tables indexed by the code.
 // Measured (a throwaway harness: the op at M = 1, bf16 x, each shape's layout cloned to ~250 MB and rotated so
 // that it comes from DRAM, 50%, 1 thread on core 1, sym and asym alternated sweep by sweep, medians of 9, three
@@ -232,6 +239,28 @@ inline void zero_points_at(const float* z, int rp, __m512i out[2]) {
   out[1] = _mm512_set1_epi8(static_cast<char>(at[8 * rp + 4]));
 }
 
+// The zero points of 4 groups x kPairRows rows (`valid` lanes; 0 elsewhere) as fp32, in the blocks' tables' lanes.
+inline __m512 zero_points_ps(__mmask16 valid, const uint8_t* z) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, z)));
+}
+
+// The asymmetric grid's zero points' term, in fp32 per row and group outside the pair loop: the decoder puts each
+// row's zero point at its pruned columns, so a group's integer dot is the kept columns' code * q plus zero * the
+// pruned columns' q, and adding zero * (-(the group's sum of q)) leaves the kept columns' (code - zero) * q. `table`
+// (here s_w s_x), `zero` and `start` (-(sum of q); zero * start exact in fp32: |sum| <= 127 G) per lane.
+inline __m512 add_zero_term(__m512 term, __m512 table, __m512 zero, __m512 start) {
+  return _mm512_fmadd_ps(table, _mm512_mul_ps(zero, start), term);
+}
+
+// A block's four row sums plus (Asym) its zero points' term, whose lanes hold 4 groups x 4 rows (row r in lane
+// 4 k + r).
+template <bool Asym>
+inline __m128 with_zero_term(__m128 sums, __m512 term) {
+  if constexpr (!Asym) return sums;
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(term), _mm512_extractf32x8_ps(term, 1));
+  return _mm_add_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
 // Software prefetch of the codes this many bytes ahead (one line per pair of the block's 4 rows). Measured on
 // every layer of the 1B shape in model order (bench/decode_sweep.py, cold): 0 or 1024 bytes 27.9-28.0 ms,
 // 2048 26.0, 4096 25.2, 8192 25.5, 16384 25.7; a second, L2 prefetch further ahead 26.7-28.6; prefetching
@@ -263,15 +292,25 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
     _mm_prefetch(reinterpret_cast<const char*>(sw + groups * R) + i, _MM_HINT_T0);
   }
   const __m512i spread_x = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  // Asym: the zero points' term per row of x, lanes as the table's (add_zero_term).
+  __m512 zero_term[M];
+  for (int m = 0; m < M; ++m) zero_term[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 4) {
     const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (R * (groups - g))) - 1);
     const __mmask8 x_valid = groups - g >= 4 ? 0xf : static_cast<__mmask8>((1u << (groups - g)) - 1);
     const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + g * R));
     const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
+    const __m512 zero = Asym ? zero_points_ps(valid, p.zeros + (b * groups + g) * R) : _mm512_setzero_ps();
     for (int m = 0; m < M; ++m) {
       const __m128 four = _mm_maskz_loadu_ps(x_valid, p.x_scales + (m0 + m) * groups + g);
       const __m512 x = _mm512_permutexvar_ps(spread_x, _mm512_castps128_ps512(four));
-      _mm512_mask_storeu_ps(scales + m * groups * R + g * R, valid, _mm512_mul_ps(w, x));
+      const __m512 table = _mm512_mul_ps(w, x);
+      _mm512_mask_storeu_ps(scales + m * groups * R + g * R, valid, table);
+      if constexpr (Asym) {
+        const __m128i sums = _mm_maskz_loadu_epi32(x_valid, p.x_starts + (m0 + m) * groups + g);
+        const __m512 start = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(spread_x, _mm512_castsi128_si512(sums)));
+        zero_term[m] = add_zero_term(zero_term[m], table, zero, start);
+      }
     }
   }
   __m512 acc[R][M];
@@ -287,14 +326,11 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
     __m512i xv[M], start[M];
     for (int m = 0; m < M; ++m) {
       xv[m] = _mm512_loadu_si512(xv_base + m * p.cols + 64 * q);
-      // -15 * the sums of q over 4 columns (a table of them made by quantize_x was slower: L1 space); Asym: -q
-      // (bytes), for each row's start below.
-      if constexpr (Asym) {
-        start[m] = _mm512_sub_epi8(_mm512_setzero_si512(), xv[m]);
-      } else {
-        start[m] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
-      }
+      // -15 * the sums of q over 4 columns (a table of them made by quantize_x was slower: L1 space); Asym: 0
+      // (the zero points' term is zero_term's).
+      start[m] = Asym ? _mm512_setzero_si512()
+                      : _mm512_sub_epi32(_mm512_setzero_si512(),
+                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
     }
     const uint8_t* at[2];
     PairDecoder<Asym>::template starts<Dense>(c, at);
@@ -310,9 +346,8 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
         const int r = 2 * rp + h;
         for (int m = 0; m < M; ++m) {
           // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
-          // Asym: -zero * that sum (-q as bytes: |q| <= 127) + sum u * q = the kept columns' (code - zero) * q.
-          const __m512i from = Asym ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), zero[h], start[m]) : start[m];
-          const __m512i sum = _mm512_dpbusd_epi32(from, w[h], xv[m]);
+          // Asym: sum u * q = the kept columns' code * q + zero * the pruned columns' q.
+          const __m512i sum = _mm512_dpbusd_epi32(start[m], w[h], xv[m]);
           acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
         }
       }
@@ -326,7 +361,8 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
                                         : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << real) - 1), p.bias + row0);
   for (int m = 0; m < M; ++m) {
-    const __m128 sums = _mm_add_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), bias);
+    const __m128 sums = _mm_add_ps(with_zero_term<Asym>(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), zero_term[m]),
+                                   bias);
     if (p.dtype == DType::BF16) {
       store4<DType::BF16>(p.y, (m0 + m) * p.y_stride + row0, sums, static_cast<int>(real));
     } else {
@@ -340,7 +376,7 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
 // results are bit for bit block<1>'s. `scales` has room for 2 * kPairRows * groups floats (Asym: 4 *); `spread`
 // holds the x scales spread over their groups' R lanes (x_spread below).
 template <int GP, bool Dense, bool Asym>
-void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float* spread) {
+void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float* spread, const float* spread_starts) {
   constexpr int R = kPairRows;
   const PairDecoder<Asym> dec;
   const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
@@ -348,14 +384,22 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   for (int64_t i = 0; i < 2 * groups * R * 2; i += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(sw + 2 * groups * R) + i, _MM_HINT_T0);
   }
-  // The two blocks' tables, one after the other (their scales are too): 0.5 * s_w * s_x as block() makes them.
+  // The two blocks' tables, one after the other (their scales are too): 0.5 * s_w * s_x as block() makes them;
+  // Asym: each block's zero points' term, also as block() makes it.
+  __m512 zero_term[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t i = 0; i < groups * R; i += 16) {
     const __mmask16 valid = groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (groups * R - i)) - 1);
     const __m512 x = _mm512_load_ps(spread + i);
-    for (int64_t h = 0; h < 2 * groups * R; h += groups * R) {
-      const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + h + i));
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = h * groups * R + i;
+      const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + at));
       const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
-      _mm512_mask_storeu_ps(scales + h + i, valid, _mm512_mul_ps(w, x));
+      const __m512 table = _mm512_mul_ps(w, x);
+      _mm512_mask_storeu_ps(scales + at, valid, table);
+      if constexpr (Asym) {
+        zero_term[h] = add_zero_term(zero_term[h], table, zero_points_ps(valid, p.zeros + b * groups * R + at),
+                                     _mm512_load_ps(spread_starts + i));
+      }
     }
   }
   // Asym: the zero points of the pair's group, from the layout (z0, z1: two more pointers advancing with s0, s1),
@@ -404,9 +448,9 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     }
     const __m512i x = _mm512_loadu_si512(xv);
     xv += 64;
-    // Asym: -q (bytes), and each row's start as block() makes it.
+    // Each row's start as block() makes it.
     const __m512i start =
-        Asym ? _mm512_sub_epi8(_mm512_setzero_si512(), x)
+        Asym ? _mm512_setzero_si512()
              : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
     const uint8_t* at[2];
     PairDecoder<Asym>::template starts<Dense>(c0, at);
@@ -424,9 +468,8 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       }
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
-        const __m512i from = Asym ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), zero[h], start) : start;
         acc[0][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(from, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
       }
     }
     PairDecoder<Asym>::template starts<Dense>(c1, at);
@@ -444,9 +487,8 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       }
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rp + h;
-        const __m512i from = Asym ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), zero[h], start) : start;
         acc[1][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(from, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
       }
     }
     if constexpr (!Dense) {
@@ -467,7 +509,8 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
     const int64_t row0 = (b + h) * R, real = std::min<int64_t>(R, p.rows - row0);
     const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
                                           : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << real) - 1), p.bias + row0);
-    const __m128 sums = _mm_add_ps(sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), bias);
+    const __m128 sums = _mm_add_ps(with_zero_term<Asym>(sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), zero_term[h]),
+                                   bias);
     if (p.dtype == DType::BF16) {
       store4<DType::BF16>(p.y, row0, sums, static_cast<int>(real));
     } else {
@@ -483,12 +526,16 @@ void blocks(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
                                               &block<3, GP, Dense, Asym>, &block<4, GP, Dense, Asym>};
   float* scales = static_cast<float*>(std::aligned_alloc(64, ((kPairRows * kPairChunkM * p.groups + 15) / 16 + 1) * 64));
   if (p.m == 1) {
-    // 0.5 * s_x spread over each group's R lanes, once per call, padded to whole registers.
-    const int64_t n = kPairRows * p.groups;
-    float* spread = static_cast<float*>(std::aligned_alloc(64, ((n + 15) / 16) * 64));
-    for (int64_t i = 0; i < n; ++i) spread[i] = p.x_scales[i / kPairRows];
+    // s_x and (Asym) -(sum of q) spread over each group's R lanes, once per call, padded with 0 to whole registers.
+    const int64_t n = kPairRows * p.groups, padded = (n + 15) / 16 * 16;
+    float* spread = static_cast<float*>(std::aligned_alloc(64, 2 * padded * sizeof(float)));
+    float* spread_starts = spread + padded;
+    for (int64_t i = 0; i < padded; ++i) {
+      spread[i] = i < n ? p.x_scales[i / kPairRows] : 0.0f;
+      spread_starts[i] = Asym && i < n ? static_cast<float>(p.x_starts[i / kPairRows]) : 0.0f;
+    }
     int64_t b = block_begin;
-    for (; b + 1 < block_end; b += 2) block_pair_m1<GP, Dense, Asym>(p, b, scales, spread);
+    for (; b + 1 < block_end; b += 2) block_pair_m1<GP, Dense, Asym>(p, b, scales, spread, spread_starts);
     if (b < block_end) block<1, GP, Dense, Asym>(p, b, 0, scales);
     std::free(spread);
     std::free(scales);

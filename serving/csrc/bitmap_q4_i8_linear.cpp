@@ -252,6 +252,12 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
     p.x_values = q8.values;
     p.x_scales = q8.scales;
+    // The asymmetric grid's zero points' term needs each group's sum of q (the kernels fold it per row and group).
+    const at::Tensor starts = at::empty({asym ? m : 0, p.groups}, x.options().dtype(at::kInt));
+    if (asym) {
+      q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>(), true);
+      p.x_starts = starts.data_ptr<int32_t>();
+    }
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { q4_pairs_gemm_blocks_avx512(p, begin, end); });
     return y;
   }

@@ -103,6 +103,7 @@ struct Q4PairProblem : Operands {  // dtype: bf16 or fp32; cols: a multiple of G
   int64_t group_pairs;  // G / 64
   const int8_t* x_values;  // Q8Rows of the m rows of x
   const float* x_scales;
+  const int32_t* x_starts;  // decoding on the asymmetric grid: -(sum of q) per row of x and group, [m, groups]
 };
 
 // x [m, cols] of dtype (bf16 or fp32; rows row_stride elements apart) quantized in blocks of `block`

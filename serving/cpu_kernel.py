@@ -32,7 +32,8 @@ ISA_ENV = "LEAP_SPARSE_CPU_ISA"
 ISAS = ("avx512", "avx2")  # fastest first
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
-           "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp", "bitmap_q4_i8_linear.cpp", "bitmap_q4_i8_avx512.cpp")
+           "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp", "bitmap_q4_i8_linear.cpp", "bitmap_q4_i8_avx512.cpp",
+           "int8_rows_linear.cpp", "int8_rows_avx512.cpp")
 HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))  # every header is in the build's hash
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.
@@ -129,6 +130,10 @@ def _register_fake() -> None:
     def _q4_i8(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None, zeros=None):
         return x.new_empty((*x.shape[:-1], n_rows))
 
+    @torch.library.register_fake("leap_sparse_cpu::int8_rows_linear")
+    def _int8_rows(x, qweight, scales, row_sums, bias=None):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
 
 def current_isa() -> str:
     """The instruction set the op uses now: 'avx512' or 'avx2' (after a successful `load()`)."""
@@ -139,6 +144,12 @@ def int8_kernel_available() -> bool:
     """Whether bitmap-q4 layers can multiply int8 x natively (`bitmap_q4_i8_linear`): the op loaded, a CPU
     with AVX-512 VNNI and VBMI2, and GFNI, and the avx512 kernels chosen."""
     return load() and torch.ops.leap_sparse_cpu.bitmap_q4_i8_available()
+
+
+def int8_rows_kernel_available() -> bool:
+    """Whether an int8-rows lm_head can multiply decoding steps natively (`int8_rows_linear`): the op
+    loaded, a CPU with AVX-512 VNNI, and the avx512 kernels chosen."""
+    return load() and torch.ops.leap_sparse_cpu.int8_rows_available()
 
 
 def supported_isas() -> list[str]:

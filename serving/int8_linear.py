@@ -1,16 +1,19 @@
 """The 8-bit dense weight (`int8-rows`: int8 codes, one fp16 scale per row) that a `leap_sparse` lm_head
 holds when `leapctl quantize --lm-head-bits 8` (the default) put it on that grid, and its ops.
 
-On CPU the layer multiplies through vLLM's own int8 GEMM (oneDNN with AVX-512 VNNI, the weight packed once
-at load: `OneDNNInt8`), x quantized to int8 per row with vLLM's dynamic per-token quantization (scale
-max|x| / 127). `int8_rows_linear` is the portable path (any device, the GPU included) and the reference:
-the same rounding of x (`int8_rows_activations`), the decoded weight, one fp32 matmul."""
+On CPU the layer multiplies decoding steps with leapctl's own op (`NativeInt8`: serving/csrc/int8_rows_*.cpp,
+AVX-512 VNNI, the codes as stored, read once per call) and more rows of x through vLLM's int8 GEMM (oneDNN,
+`OneDNNInt8`, the weight packed on first use), x quantized to int8 per row (scale max|x| / 127) in both.
+`int8_rows_linear` is the portable path (any device, the GPU included) and the reference: the same rounding
+of x (`int8_rows_activations`), the decoded weight, one fp32 matmul."""
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from serving import cpu_kernel
+from serving.huge_pages import huge_page_copy
 from serving.q4_linear import int8_activations
 from sparse_formats import get_format
 
@@ -60,6 +63,43 @@ class OneDNNInt8:
         out = torch.empty((x2.shape[0], self.handler.n), dtype=self.out_dtype)
         self._ops.onednn_scaled_mm(self.handler, xq, out, x_scales, None, None, bias)
         return out.reshape(*x.shape[:-1], self.handler.n)
+
+
+# Rows of x the native op takes (kInt8RowsMaxM in serving/csrc/int8_rows_kernels.h): decoding steps of up to
+# this many sequences. Above, each row's pass over the weight would cost what a GEMM's whole call costs.
+INT8_ROWS_MAX_M = 8
+
+
+class NativeInt8:
+    """An 8-bit lm_head on CPU: `leap_sparse_cpu::int8_rows_linear` for up to INT8_ROWS_MAX_M rows of x (the
+    codes on huge pages, each row's sum of codes made here once), vLLM's oneDNN GEMM above (packed on the
+    first such call, which then holds the weight twice), or the portable path without vLLM.
+    Why: for the Llama-3.2-1B shape's head (49152 x 2048, one row of x, 1 thread, read from DRAM) oneDNN took
+    3.4-3.7 ms a call, this op 3.0-3.2 (about the machine's read bandwidth; bench/results/README.md)."""
+
+    def __init__(self, weight: "Int8Weight", out_dtype: torch.dtype) -> None:
+        self.weight = Int8Weight(huge_page_copy(weight.qweight.contiguous()), weight.scales.contiguous())
+        self.row_sums = weight.qweight.sum(1, dtype=torch.int32)
+        self.out_dtype = out_dtype
+        self._many_rows = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() // max(x.shape[-1], 1) <= INT8_ROWS_MAX_M:
+            return torch.ops.leap_sparse_cpu.int8_rows_linear(x, self.weight.qweight, self.weight.scales,
+                                                              self.row_sums, bias)
+        if self._many_rows is None:
+            onednn = onednn_int8_available()
+            self._many_rows = OneDNNInt8(self.weight, self.out_dtype) if onednn else self._portable
+        return self._many_rows(x, bias)
+
+    def _portable(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_rows_linear(x, self.weight.qweight, self.weight.scales, bias)
+
+
+def native_int8_available(n_cols: int) -> bool:
+    """Whether `NativeInt8` runs here for a weight of `n_cols` columns: the native op built, a CPU with
+    AVX-512 VNNI, the avx512 kernels, and a multiple of 64 columns up to 65536 (the op's int32 sums)."""
+    return n_cols % 64 == 0 and 0 < n_cols <= 65536 and cpu_kernel.int8_rows_kernel_available()
 
 
 def onednn_int8_available() -> bool:

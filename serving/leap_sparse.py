@@ -40,7 +40,14 @@ from vllm.model_executor.utils import set_weight_attrs
 from serving import cpu_kernel
 from serving.contract import Q4_ZERO_POINTS, QUANT_METHOD, LeapSparseSettings
 from serving.huge_pages import huge_page_copy
-from serving.int8_linear import Int8Weight, OneDNNInt8, int8_rows_linear, onednn_int8_available
+from serving.int8_linear import (
+    Int8Weight,
+    NativeInt8,
+    OneDNNInt8,
+    int8_rows_linear,
+    native_int8_available,
+    onednn_int8_available,
+)
 from serving.q4_linear import Q4Weight, bitmap_q4_linear
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
@@ -242,10 +249,12 @@ class LeapSparseLinearMethod(LinearMethodBase):
 
     def _hold_int8(self, layer: torch.nn.Module, weight: Int8Weight, device: torch.device,
                    dense_bytes: int) -> None:
-        """An 8-bit lm_head: on CPU packed once for vLLM's oneDNN int8 GEMM (which then owns the codes),
-        elsewhere kept as stored and decoded per call."""
+        """An 8-bit lm_head: on CPU the native op for decoding steps (NativeInt8), else packed once for
+        vLLM's oneDNN int8 GEMM (which then owns the codes); elsewhere kept as stored and decoded per call."""
         layer.leap_int8 = None
-        if device.type == "cpu" and onednn_int8_available():
+        if device.type == "cpu" and self.config.native_cpu_kernel() and native_int8_available(weight.n_cols):
+            layer.leap_int8 = NativeInt8(weight, layer.leap_params_dtype)
+        elif device.type == "cpu" and onednn_int8_available():
             layer.leap_int8 = OneDNNInt8(weight, layer.leap_params_dtype)
         else:
             for name, tensor in weight.tensors().items():

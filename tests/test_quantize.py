@@ -284,12 +284,14 @@ def test_the_export_validates_against_the_quantized_run(q4_export):
 
 def test_validate_multiplies_the_8_bit_lm_head_on_every_path(q4_export):
     from leapctl.commands.validate import validate
-    from serving.int8_linear import onednn_int8_available
+    from serving.int8_linear import native_int8_available, onednn_int8_available
 
     report = validate(str(q4_export), end_to_end=False)
     head = [c for c in report.checks if c.kind == "sparse-linear" and c.target == "lm_head"]
     assert len(head) == 1 and head[0].ok, report.checks
     assert ("oneDNN" in head[0].detail) == onednn_int8_available() and "decode" in head[0].detail
+    assert ("native" in head[0].detail) == native_int8_available(int(json.loads(
+        (q4_export / "manifest.json").read_text())["layers"]["lm_head"]["shape"][1]))
 
 
 def damaged_export(q4_export, tmp_path, edit) -> str:

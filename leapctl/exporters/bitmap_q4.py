@@ -81,9 +81,11 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
         8-bit lm_head: x rounded to int8 per row first, as its ops do)."""
         from serving.int8_linear import (
             Int8Weight,
+            NativeInt8,
             OneDNNInt8,
             int8_rows_activations,
             int8_rows_linear,
+            native_int8_available,
             onednn_int8_available,
         )
         from serving.q4_linear import Q4Weight, bitmap_q4_linear
@@ -96,6 +98,8 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
             if info.get("format") == HEAD_INT8:
                 stored = Int8Weight.from_tensors(HEAD_INT8, parts)
                 ops = {"decode": lambda x, w=stored: int8_rows_linear(x, w.qweight, w.scales)}
+                if native_int8_available(stored.n_cols):  # the decoding steps' op, as a layer holds it
+                    ops["native"] = NativeInt8(stored, torch.float32)
                 if onednn_int8_available():  # packed once per output dtype, as a layer does at load
                     packed = {dtype: OneDNNInt8(stored, dtype) for dtype in TOLERANCE}
                     ops["oneDNN"] = lambda x, packed=packed: packed[x.dtype](x)

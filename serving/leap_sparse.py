@@ -78,6 +78,7 @@ class LeapSparseConfig(QuantizationConfig):
         self._dense_bytes = 0
         self._compute = "decoded to dense at load" if self.decode_dense else "compressed"
         self._compute_int8 = ""
+        self.head_note = ""  # how an 8-bit lm_head multiplies, for the load summary
         self._native = False  # whether a layer multiplies through the native CPU kernel
 
     def get_name(self) -> str:
@@ -149,7 +150,7 @@ class LeapSparseConfig(QuantizationConfig):
             logger.info("leap_sparse: %d sparse linear layers hold %d bytes, %.4fx of %d dense bytes "
                         "(format %s, %s)", self._layers_loaded, self._bytes_held,
                         self._bytes_held / max(self._dense_bytes, 1), self._dense_bytes, self.fmt,
-                        self._compute + self._activations_note())
+                        self._compute + self._activations_note() + self.head_note)
 
     def _activations_note(self) -> str:
         if self.fmt != "bitmap-q4" or self.decode_dense or not self._native:
@@ -254,8 +255,10 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_int8 = None
         if device.type == "cpu" and self.config.native_cpu_kernel() and native_int8_available(weight.n_cols):
             layer.leap_int8 = NativeInt8(weight, layer.leap_params_dtype)
+            self.config.head_note = "; 8-bit lm_head: native int8 op in decoding steps"
         elif device.type == "cpu" and onednn_int8_available():
             layer.leap_int8 = OneDNNInt8(weight, layer.leap_params_dtype)
+            self.config.head_note = "; 8-bit lm_head: oneDNN int8 GEMM"
         else:
             for name, tensor in weight.tensors().items():
                 if name != "shape":

@@ -92,7 +92,7 @@ def test_thread_count_does_not_change_the_result(op):
 
 
 def test_registered_op_with_a_fake_stays_opaque_under_torch_compile(op):
-    # scales a 20th of weight()'s: outputs of order 1, where assert_close's fp32 tolerance covers the op's bound
+    # scales a 20th of weight()'s: outputs of order 1, where assert_close's fp32 tolerance covers the bound
     stored = weight(37, 576)
     w = Int8Weight(stored.qweight, stored.scales / 20)
     sums = w.qweight.sum(1, dtype=torch.int32)

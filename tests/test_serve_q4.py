@@ -128,9 +128,11 @@ def test_greedy_text_equals_transformers_on_the_dequantized_run(q4_checkpoints, 
 
 
 def test_an_8_bit_lm_head_serves_the_reference_greedy_text(head8_checkpoints, tmp_path):
-    """lm_head in int8-rows (quantize's default) through vLLM's int8 GEMM on CPU: its input rounded per row,
-    the 4-bit layers' per group where the int8 kernel runs."""
+    """lm_head in int8-rows (quantize's default) through the native int8 op in decoding steps (vLLM's int8
+    GEMM where that op cannot run): its input rounded per row, the 4-bit layers' per group where the int8
+    kernel runs."""
     from serving import cpu_kernel
+    from serving.int8_linear import native_int8_available
 
     run_dir, export_dir = head8_checkpoints
     config = json.loads((export_dir / "config.json").read_text())["quantization_config"]
@@ -146,6 +148,8 @@ def test_an_8_bit_lm_head_serves_the_reference_greedy_text(head8_checkpoints, tm
         found = re.search(MEMORY_LINE, server.log())
         assert found, server.log()[-2000:]
         assert int(found.group(1)) == 2 * 4 + 1  # qkv, o, gate_up and down in each block, and lm_head
+        hidden = json.loads((export_dir / "config.json").read_text())["hidden_size"]
+        assert ("8-bit lm_head: native int8 op" in server.log()) == native_int8_available(hidden)
     finally:
         stop_leapctl_serve(server)
 

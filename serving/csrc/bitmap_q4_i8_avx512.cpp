@@ -137,7 +137,9 @@
 // it), so a row whose weights are all 0 gives ~1e-7 of its scale rather than 0. Measured (bench/decode_sweep.py on
 // the 1B shape's mag60 asym export, huge pages, int8 x, core 0; main's kernel, this one and the symmetric grid
 // alternating by process, 4 runs each, the machine busy: cold figures 12.7-15.2 ms for all three, useless): hot
-// 12.03-12.43 ms (median 12.18) to 11.83-12.18 (12.0), lower in each of the 4 pairs; symmetric 11.30-11.55. Not
+// 12.03-12.43 ms (median 12.18) to 11.83-12.18 (12.0), lower in each of the 4 pairs; symmetric 11.30-11.55;
+// SmolLM2's layers (mag50, --sweeps 12, quiet) 2.27-2.30 to 1.88-1.91, symmetric 1.75-1.81. Without the term
+// (wrong results, an experiment) the 1B layers ran 11.22-11.33 hot: the term's work at block starts is the rest. Not
 // kept: the zero points from a table of dwords made per block (a dword broadcast is a load alone, a byte's also a
 // shuffle): cold 18.1-20.0 against 13.8-15.5 symmetric, down_proj's 128 groups worst (the table's L1 space).
 // Prefill: each group's dot starts at -zero * the group's sum of q (a

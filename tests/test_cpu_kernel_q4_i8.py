@@ -195,17 +195,17 @@ def test_fully_kept_weights_take_the_dense_layout(op, one_thread):
     kernel no expand; the results still match the reference, and the tiles decode to W exactly. One weight
     dropped keeps the masked layout."""
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(16, 192, generator=gen)
-    for group in (64, 192):
-        t = FMT.encode(weight, torch.ones(16, 192, dtype=torch.bool), group_size=group)
+    weight = torch.randn(16, 384, generator=gen)
+    for group in (64, 128, 192):  # one and two pairs per group unrolled, three read at run time
+        t = FMT.encode(weight, torch.ones(16, 384, dtype=torch.bool), group_size=group)
         pairs, dense = pairs_of(t), FMT.decode(t)
         assert pairs.masks.numel() == 0
-        assert torch.equal(call(op, torch.eye(192) * 127, pairs).T, dense * 127)
+        assert torch.equal(call(op, torch.eye(384) * 127, pairs).T, dense * 127)
         for m in [*range(1, 10), 41, 100]:
-            x = torch.randn(m, 192).to(torch.bfloat16)
+            x = torch.randn(m, 384).to(torch.bfloat16)
             b = torch.randn(16) if m % 2 else None
             assert excess(call(op, x, pairs, b), x, dense, b, group) <= 0, (group, m)
-    mask = torch.ones(16, 192, dtype=torch.bool)
+    mask = torch.ones(16, 384, dtype=torch.bool)
     mask[7, 100] = False
     assert pairs_of(FMT.encode(weight, mask)).masks.numel() > 0
 
@@ -438,7 +438,7 @@ def test_asymmetric_tiles_decode_the_weight_exactly(op, one_thread, tiles):
                 assert excess(asym_call(op, x, pairs), x, weight, None, group, tiles=True) <= 0, (rows, cols)
 
 
-@pytest.mark.parametrize("group", [64, 192])
+@pytest.mark.parametrize("group", [64, 128, 192])
 def test_asymmetric_dense_layout(op, threads, group):
     """Every weight kept and rows a whole number of blocks: no masks, no expand; every M still matches."""
     t, stored, weight, terms = asymmetric(16, 384, group, 1.0, seed=group)

@@ -29,8 +29,9 @@ pytestmark = X86_ONLY
 FMT = get_format("bitmap-q4")
 SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float32: 24}
 # (rows, cols, group): one row, rows not a multiple of 4 (1, 3, 5, 67), one pair per row, the default group,
-# 128-column groups, rows wider than 2048 columns.
-SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (6, 4096, 64)]
+# 128-column groups, 192 (pairs per group read at run time), rows wider than 2048 columns.
+SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (9, 576, 192),
+          (6, 4096, 64)]
 DENSITIES = [0.0, 0.5, 1.0]
 MS = [*range(1, 10), 16, 41, 47, 130]
 
@@ -337,7 +338,8 @@ print("ok")
 
 # ---- the asymmetric grid: a kept weight is scale * (code - zero), a zero point 0..15 per row and group ----
 
-ASYM_SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (7, 384, 128)]
+ASYM_SHAPES = [(1, 64, 64), (3, 128, 64), (5, 192, 64), (67, 576, 64), (13, 2176, 128), (7, 384, 128),
+               (9, 576, 192)]
 ASYM_MS = [1, 2, 3, 4, 5, 8, 9, 17, 41]
 
 

@@ -241,9 +241,9 @@ inline void zero_points_at(const float* z, int rp, __m512i out[2]) {
   out[1] = _mm512_set1_epi8(static_cast<char>(at[8 * rp + 4]));
 }
 
-// The zero points of 4 groups x kPairRows rows (`valid` lanes; 0 elsewhere) as fp32, in the blocks' tables' lanes.
-inline __m512 zero_points_ps(__mmask16 valid, const uint8_t* z) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, z)));
+// The zero points of 4 groups x kPairRows rows (`valid` lanes; 0 elsewhere) as int32, in the blocks' tables' lanes.
+inline __m512i zero_points_epi32(__mmask16 valid, const uint8_t* z) {
+  return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, z));
 }
 
 // The asymmetric grid's zero points' term, in fp32 per row and group outside the pair loop: the decoder puts each
@@ -302,7 +302,8 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
     const __mmask8 x_valid = groups - g >= 4 ? 0xf : static_cast<__mmask8>((1u << (groups - g)) - 1);
     const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + g * R));
     const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
-    const __m512 zero = Asym ? zero_points_ps(valid, p.zeros + (b * groups + g) * R) : _mm512_setzero_ps();
+    const __m512 zero =
+        Asym ? _mm512_cvtepi32_ps(zero_points_epi32(valid, p.zeros + (b * groups + g) * R)) : _mm512_setzero_ps();
     for (int m = 0; m < M; ++m) {
       const __m128 four = _mm_maskz_loadu_ps(x_valid, p.x_scales + (m0 + m) * groups + g);
       const __m512 x = _mm512_permutexvar_ps(spread_x, _mm512_castps128_ps512(four));
@@ -386,6 +387,16 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   for (int64_t i = 0; i < 2 * groups * R * 2; i += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(sw + 2 * groups * R) + i, _MM_HINT_T0);
   }
+  // Asym: the zero points of the pair's group, from the layout (z0, z1: two more pointers advancing with s0, s1),
+  // or with groups read at run time (GP = 0), where those pointers made GCC spill the loop's scalars to mask
+  // registers, from a copy of the two blocks' (as contiguous as their scales) one per 4 bytes after the tables,
+  // at a fixed distance from each row's scale, stored by the tables' loop below, which reads them anyway.
+  // Measured (1B shapes, cold, processes alternated, asym / sym): the copy at G = 64 1.13-1.21 against the
+  // pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22.
+  constexpr bool kZeroCopy = Asym && GP == 0;
+  const uint8_t* z0 = Asym && !kZeroCopy ? p.zeros + b * groups * R : nullptr;
+  const uint8_t* z1 = Asym && !kZeroCopy ? z0 + groups * R : nullptr;
+  const int64_t zoff = 2 * groups * R;
   // The two blocks' tables, one after the other (their scales are too): 0.5 * s_w * s_x as block() makes them;
   // Asym: each block's zero points' term, also as block() makes it.
   __m512 zero_term[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -399,25 +410,10 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
       const __m512 table = _mm512_mul_ps(w, x);
       _mm512_mask_storeu_ps(scales + at, valid, table);
       if constexpr (Asym) {
-        zero_term[h] = add_zero_term(zero_term[h], table, zero_points_ps(valid, p.zeros + b * groups * R + at),
-                                     _mm512_load_ps(spread_starts + i));
+        const __m512i zero = zero_points_epi32(valid, p.zeros + b * groups * R + at);
+        if constexpr (kZeroCopy) _mm512_mask_storeu_epi32(scales + zoff + at, valid, zero);
+        zero_term[h] = add_zero_term(zero_term[h], table, _mm512_cvtepi32_ps(zero), _mm512_load_ps(spread_starts + i));
       }
-    }
-  }
-  // Asym: the zero points of the pair's group, from the layout (z0, z1: two more pointers advancing with s0, s1),
-  // or with groups read at run time (GP = 0), where those pointers made GCC spill the loop's scalars to mask
-  // registers, from a copy of the two blocks' (as contiguous as their scales) one per 4 bytes after the tables,
-  // at a fixed distance from each row's scale. Measured (1B shapes, cold, processes alternated, asym / sym): the
-  // copy at G = 64 1.13-1.21 against the pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22.
-  constexpr bool kZeroCopy = Asym && GP == 0;
-  const uint8_t* z0 = Asym && !kZeroCopy ? p.zeros + b * groups * R : nullptr;
-  const uint8_t* z1 = Asym && !kZeroCopy ? z0 + groups * R : nullptr;
-  const int64_t zoff = 2 * groups * R;
-  if constexpr (kZeroCopy) {
-    const uint8_t* from = p.zeros + b * groups * R;
-    for (int64_t i = 0; i < 2 * groups * R; i += 16) {
-      const __mmask16 valid = 2 * groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (2 * groups * R - i)) - 1);
-      _mm512_mask_storeu_epi32(scales + zoff + i, valid, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, from + i)));
     }
   }
   __m512 acc[2][R];

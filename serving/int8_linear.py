@@ -75,7 +75,7 @@ class NativeInt8:
     codes on huge pages, each row's sum of codes made here once), vLLM's oneDNN GEMM above (packed on the
     first such call, which then holds the weight twice), or the portable path without vLLM.
     Why: for the Llama-3.2-1B shape's head (49152 x 2048, one row of x, 1 thread, read from DRAM) oneDNN took
-    3.4-3.7 ms a call, this op 3.0-3.2 (about the machine's read bandwidth; bench/results/README.md)."""
+    3.67 ms a call, this op 2.82, about the machine's read bandwidth (bench/lm_head_int8.py)."""
 
     def __init__(self, weight: "Int8Weight", out_dtype: torch.dtype) -> None:
         self.weight = Int8Weight(huge_page_copy(weight.qweight.contiguous()), weight.scales.contiguous())

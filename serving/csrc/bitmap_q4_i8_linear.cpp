@@ -19,7 +19,6 @@
 // A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -51,11 +50,9 @@ std::string prefill_op(std::string mode) {
 }
 
 bool i8_available() {
-  static const auto isa_op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
   static const bool cpu =
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("gfni");
-  return cpu && isa_op.call() == "avx512";
+  return cpu && chosen_isa() == "avx512";
 }
 
 uint64_t pair_mask(const uint8_t* row, int64_t pair) {

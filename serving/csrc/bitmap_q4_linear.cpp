@@ -13,7 +13,6 @@
 // and thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -32,15 +31,12 @@ namespace {
 
 enum class Q4Isa { Avx2, Avx512 };
 
-// The kernel that leap_sparse_cpu::isa() names (bitmap_linear.cpp keeps the choice; asking its op keeps
-// this file independent of that one), where this CPU runs its q4 form: the AVX-512 one also needs VBMI
-// (vpmultishiftqb), which every CPU with VBMI2 has, and the AVX2 one BMI2 (pdep).
+// The kernel that leap_sparse_cpu::isa() names (chosen_isa), where this CPU runs its q4 form: the AVX-512 one
+// also needs VBMI (vpmultishiftqb), which every CPU with VBMI2 has, and the AVX2 one BMI2 (pdep).
 Q4Isa current_q4_isa() {
-  static const auto isa_op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
   static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
   static const bool bmi2 = __builtin_cpu_supports("bmi2");
-  const std::string isa = isa_op.call();
+  const std::string isa = chosen_isa();
   if (isa == "avx512" && vbmi) return Q4Isa::Avx512;
   TORCH_CHECK(isa != "none" && bmi2, "leap_sparse_cpu::bitmap_q4_linear: this CPU has neither AVX-512 (with "
               "VBMI, VBMI2 and BF16) nor AVX2 with FMA, F16C and BMI2");

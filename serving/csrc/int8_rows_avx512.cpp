@@ -5,9 +5,9 @@
 // where a plain read of memory runs at 32-38; a decode step of that model is ~21 ms. Here each row of W is one
 // stream: per 64 columns one load and one vpdpbusd per row of x (x interleaved by 64 columns, so that the rows of
 // x a step reads lie together), M int32 sums in registers, reduced four rows of x at a time.
-// Measured (a throwaway harness: this op and OneDNNInt8 alternated call by call, 60 calls, medians, the four
-// copies on huge pages for this op; the other core quiet): 49152 x 2048, M = 1: 2.68 against 3.13 ms (37.5
-// GB/s); M = 4: 3.12 / 3.63; M = 7: 3.68 / 4.18; M = 8: 4.43 / 4.43. 49152 x 576 (SmolLM2), M = 1: 0.92 / 1.05.
+// Measured (bench/lm_head_int8.py: this op and OneDNNInt8 alternated call by call, 60 calls, medians, 4 copies,
+// 1 thread on core 0; bench/results/lm_head_int8.md): 49152 x 2048, M = 1: 2.82 against 3.67 ms (35.7 GB/s);
+// M = 2-4: 0.77x; M = 8: 0.90x. 49152 x 576 (SmolLM2): M = 1-4 0.78-0.79x, M = 8 1.12x.
 // Not kept: 8 rows of W side by side at M = 1 (8 streams 2 KiB apart; 4.28 against oneDNN's 3.51 ms), 2 rows
 // for M = 5..8 (6.2-6.8 ms), x rows 2048 columns apart instead of interleaved (M = 8: 6.3-6.4 ms: its 8 rows
 // fell in the same L1 sets).

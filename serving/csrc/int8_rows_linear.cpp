@@ -8,7 +8,6 @@
 // A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -25,9 +24,7 @@ namespace leap_sparse {
 namespace {
 
 bool int8_rows_available() {
-  static const auto isa_op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
-  return __builtin_cpu_supports("avx512vnni") && isa_op.call() == "avx512";
+  return __builtin_cpu_supports("avx512vnni") && chosen_isa() == "avx512";
 }
 
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -63,13 +60,14 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   std::optional<at::Tensor> bias32;
   if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
 
+  const DType dtype = x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32;
   const at::Tensor values = at::empty({m, cols}, x.options().dtype(at::kChar));
   const at::Tensor x_scales = at::empty({m}, x.options().dtype(at::kFloat));
-  quantize_x_avx512(x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32, x2.data_ptr(), x2.stride(0), m, cols,
-                    cols, Q8Rows{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), 1});
+  quantize_x_avx512(dtype, x2.data_ptr(), x2.stride(0), m, cols, cols,
+                    Q8Rows{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), 1});
 
   Int8RowsProblem p{};
-  set_operands(p, x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32, rows, cols, m, bias32, y);
+  set_operands(p, dtype, rows, cols, m, bias32, y);
   p.weight = weight.data_ptr<int8_t>();
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   p.row_sums = sums.data_ptr<int32_t>();

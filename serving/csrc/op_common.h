@@ -1,10 +1,11 @@
-// What the two torch ops (bitmap_linear.cpp, bitmap_q4_linear.cpp) share: the dtype of x, the output,
-// the zero-padded copy of the last rows' weights, the split of rows between threads, bf16 x interleaved
-// for the AVX-512 kernels. Plain C++ with ATen, no intrinsics.
+// What the torch ops (bitmap_linear.cpp, bitmap_q4_linear.cpp, bitmap_q4_i8_linear.cpp, int8_rows_linear.cpp)
+// share: the chosen ISA, the dtype of x, the output, the zero-padded copy of the last rows' weights, the split
+// of rows between threads, bf16 x interleaved for the AVX-512 kernels. Plain C++ with ATen, no intrinsics.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "bitmap_kernels.h"
@@ -27,6 +29,14 @@ constexpr int64_t kTileBytes = 2 << 20;    // tile of W decoded per GEMM above k
 // process, medians of 15, ratios to dense bf16 F.linear): 0.5M weights (the fp32 2 MB before) 1.003-1.009,
 // 0.75M 0.984-1.003, 1M 0.987-0.990, 1.5M 0.983-0.995; 0.25M 1.02-1.04, 4M and 8M 1.01-1.05.
 constexpr int64_t kTileWeights = 1 << 20;
+
+// The kernel that leap_sparse_cpu::isa() names ("avx512", "avx2" or "none"): bitmap_linear.cpp keeps the
+// choice, and asking its op keeps the other ops' files independent of that one.
+inline std::string chosen_isa() {
+  static const auto isa_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("leap_sparse_cpu::isa", "").typed<std::string()>();
+  return isa_op.call();
+}
 
 // The kernels' dtype for x of `type`; else an error naming the op (`what`: what the op says it takes).
 inline DType x_dtype(at::ScalarType type, const char* op, const char* what) {

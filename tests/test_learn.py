@@ -341,6 +341,27 @@ def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, cali
     assert not result.state_dir.exists()
 
 
+def test_learn_with_bits_learns_against_weights_on_the_4_bit_grid(stories260k_dir, calib_file, tmp_path):
+    """--bits 4: the frozen weights rounded per layer's groups (quantize's per-layer default: stories260K's
+    64-column layers take 64; down_proj's 172 columns fit no group and are left out) before the masks are
+    learned, so that the run's kept weights sit exactly on the grid its scales define."""
+    from safetensors.torch import load_file
+
+    from leapctl.runs import read_run
+    from sparse_formats import get_format
+
+    out = tmp_path / "run"
+    learn_masks(_config(stories260k_dir, calib_file, out, bits=4, exclude="down_proj", reconstruct=False))
+    run = read_run(str(out))
+    assert run.quantization["group_size"] == 0
+    assert run.quantization["group_sizes"] == {"64": len(run.masks.masks)}
+    saved = load_file(out / "model.safetensors")
+    q4 = get_format("bitmap-q4")
+    for name, keep in run.masks.masks.items():
+        assert run.scales[name].shape[1] == keep.shape[1] // 64
+        assert torch.equal(q4.decode(q4.encode(saved[name], keep, scales=run.scales[name])), saved[name])
+
+
 def test_defaults_learn_from_step_one_and_the_paper_start_does_not(stories260k_dir, tinystories_text):
     """Issue 12: at the paper's +-3 start the sigmoid is saturated (dM/dP ~ 4.5e-8) and a short run ends on
     its Wanda start exactly. At the defaults (+-0.5, lr 0.4 / sqrt(steps)) the same 30 steps move the

@@ -392,7 +392,10 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   // registers, from a copy of the two blocks' (as contiguous as their scales) one per 4 bytes after the tables,
   // at a fixed distance from each row's scale, stored by the tables' loop below, which reads them anyway.
   // Measured (1B shapes, cold, processes alternated, asym / sym): the copy at G = 64 1.13-1.21 against the
-  // pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22.
+  // pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22. Not kept: the 8 rows' zero points broadcast
+  // once per group into registers held across its pairs (half the broadcasts at G = 128): slower (1B shape
+  // mag60, G = 128, decode_sweep hot, 4 runs alternating, the other core busy: 12.30-12.51 ms against
+  // 11.16-11.54), 8 more live registers in a loop that holds 8 accumulators.
   constexpr bool kZeroCopy = Asym && GP == 0;
   const uint8_t* z0 = Asym && !kZeroCopy ? p.zeros + b * groups * R : nullptr;
   const uint8_t* z1 = Asym && !kZeroCopy ? z0 + groups * R : nullptr;

@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calib", default="generated")
     parser.add_argument("--ppl", action="append", default=None)
     parser.add_argument("--sparsity", type=float, default=0.5)
-    parser.add_argument("--group-size", type=int, default=0, help="0: quantize's per-layer default")
+    parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--exclude", default="down_proj")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -155,8 +155,7 @@ def write_results(args: argparse.Namespace, results: dict, names: list[str],
         record[name] = {"perplexity": scores, "sparsity": entry["sparsity"], "seconds": timings.get(name)}
         table.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in scores.values())
                      + f" | {timings.get(name, '')} |")
-    groups = f"group {args.group_size}" if args.group_size else "groups per layer"
-    text = (f"# 4-bit sparse quality: {args.name}, {args.sparsity:.0%}, {groups}\n\n"
+    text = (f"# 4-bit sparse quality: {args.name}, {args.sparsity:.0%}, group {args.group_size}\n\n"
             f"`python bench/quality_q4.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}, 2-core AMD "
             f"EPYC, CPU). LEAP: {args.steps} steps x {args.batch_size} x {args.seq_len} tokens, defaults; "
             f"calibration {args.calib}, {args.nsamples} x {args.seq_len}; excluded: "

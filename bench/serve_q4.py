@@ -14,8 +14,8 @@ Servers, per model (each started, measured and stopped before the next; the mach
   on this 2-core machine (the other is left to the API server), so llama.cpp gets one thread too;
 - `leapctl-q4-50`, `leapctl-q4-50-head8`, `leapctl-q4-60-head8`, `leapctl-q4-50-head4`, ...: `leapctl
   serve` on a bitmap-q4 export with its default int8 activations (`-bf16x`: `--activations bf16`)
-  (magnitude pruning at 50 or 60%, then `leapctl quantize --method rtn`, groups as `--group-size` says
-  (quantize's per-layer default unless given; `-g64`, `-g128` on a server's name: that size for it); lm_head
+  (magnitude pruning at 50 or 60%, then `leapctl quantize --method rtn` in groups of `--group-size` (64,
+  quantize's default; `-g128` on a server's name: that size for it); lm_head
   as `quantize --lm-head-bits` puts it: 16-bit without a suffix, `-head8` 8 bits (quantize's default),
   `-head4` 4 bits; `-asym`: `--grid asymmetric`, a zero point per group).
   Speed depends on the density, not on which weights are kept; the quality of LEAP/GPTQ variants is
@@ -70,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl-q4-50",
            "leapctl-q4-50-head8", "leapctl-q4-60-head8", "leapctl-q4-50-head4", "leapctl-q4-60-head4",
            "leapctl-q4-50-head4-bf16x", "leapctl-q4-60-head4-bf16x", "leapctl-q4-50-head8-asym",
-           "leapctl-q4-60-head8-asym", "leapctl-q4-60-head8-asym-g64")
+           "leapctl-q4-60-head8-asym", "leapctl-q4-60-head8-asym-g128")
 VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
 
 
@@ -88,13 +88,13 @@ def dense_model(name: str, work: Path) -> Path:
 
 def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head_bits: int,
               grid: str = "symmetric") -> Path:
-    """prune (magnitude) -> quantize (rtn, lm_head in `lm_head_bits`, on `grid`, `group_size` 0: quantize's
-    per-layer default; no scale tuning: speed does not depend on the scales' values) -> export bitmap-q4,
-    each step skipped when its output exists."""
+    """prune (magnitude) -> quantize (rtn in groups of `group_size`, lm_head in `lm_head_bits`, on `grid`; no
+    scale tuning: speed does not depend on the scales' values) -> export bitmap-q4, each step skipped when its
+    output exists."""
     run = work / f"{dense.name}-mag{round(sparsity * 100)}"
     quantized = run.with_name(run.name + ("-q4" if lm_head_bits == 16 else f"-q4-head{lm_head_bits}")
                               + ("-asym" if grid == "asymmetric" else "")
-                              + (f"-g{group_size}" if group_size else ""))
+                              + f"-g{group_size}")
     export = quantized.with_name(quantized.name + "-export")
     if not (run / "report.json").is_file():
         leapctl("prune", str(dense), "--method", "magnitude", "--sparsity", str(sparsity), "--out", str(run),
@@ -108,7 +108,7 @@ def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head
 
 
 def leapctl_server(name: str, default_group_size: int) -> tuple[float, int, str, int, str]:
-    """`leapctl-q4-60-head8-asym-g64` -> (sparsity, lm_head bits, grid, group size, activations)."""
+    """`leapctl-q4-60-head8-asym-g128` -> (sparsity, lm_head bits, grid, group size, activations)."""
     tags = name.split("-")[2:]
     head = next((bits for bits in (4, 8) if f"head{bits}" in tags), 16)
     group = next((int(tag[1:]) for tag in tags if tag[:1] == "g" and tag[1:].isdigit()), default_group_size)
@@ -293,8 +293,8 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1,
                         help="llama.cpp threads (vLLM's worker has one core)")
-    parser.add_argument("--group-size", type=int, default=0,
-                        help="of every leapctl server without its own -gN (0: quantize's per-layer default)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="of every leapctl server without its own -gN")
     parser.add_argument("--profile", action="store_true",
                         help="then one 1-client request under vLLM's torch profiler: where a step goes")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serve_q4"))

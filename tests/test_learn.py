@@ -342,9 +342,9 @@ def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, cali
 
 
 def test_learn_with_bits_learns_against_weights_on_the_4_bit_grid(stories260k_dir, calib_file, tmp_path):
-    """--bits 4: the frozen weights rounded per layer's groups (quantize's per-layer default: stories260K's
-    64-column layers take 64; down_proj's 172 columns fit no group and are left out) before the masks are
-    learned, so that the run's kept weights sit exactly on the grid its scales define."""
+    """--bits 4: the frozen weights rounded to the grid (groups of 64; down_proj's 172 columns fit none and
+    are left out) before the masks are learned, so that the run's kept weights sit exactly on the grid its
+    scales define."""
     from safetensors.torch import load_file
 
     from leapctl.runs import read_run
@@ -353,8 +353,7 @@ def test_learn_with_bits_learns_against_weights_on_the_4_bit_grid(stories260k_di
     out = tmp_path / "run"
     learn_masks(_config(stories260k_dir, calib_file, out, bits=4, exclude="down_proj", reconstruct=False))
     run = read_run(str(out))
-    assert run.quantization["group_size"] == 0
-    assert run.quantization["group_sizes"] == {"64": len(run.masks.masks)}
+    assert run.quantization["bits"] == 4 and run.quantization["group_size"] == 64
     saved = load_file(out / "model.safetensors")
     q4 = get_format("bitmap-q4")
     for name, keep in run.masks.masks.items():

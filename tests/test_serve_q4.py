@@ -25,11 +25,9 @@ MAX_TOKENS = 24
 MEMORY_LINE = r"leap_sparse: (\d+) sparse linear layers hold (\d+) bytes, ([\d.]+)x of (\d+) dense bytes"
 
 
-def q4_checkpoint(root, stories260k_dir, head_bits: int, grid: str = "symmetric", group_size: int = 64,
-                  hidden: int = 128):
-    """(quantized run folder, its bitmap-q4 export): magnitude 50%, then round to nearest on `grid` in groups
-    of `group_size` (0: quantize's per layer), with lm_head on the `head_bits` grid too (served through the
-    plugin, untied from the embedding)."""
+def q4_checkpoint(root, stories260k_dir, head_bits: int, grid: str = "symmetric"):
+    """(quantized run folder, its bitmap-q4 export): magnitude 50%, then round to nearest on `grid`, group
+    64, with lm_head on the `head_bits` grid too (served through the plugin, untied from the embedding)."""
     from test_serve_cli import magnitude_masks
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -38,21 +36,20 @@ def q4_checkpoint(root, stories260k_dir, head_bits: int, grid: str = "symmetric"
     from leapctl.quantize import LM_HEAD, quantization_entry, quantize_lm_head, quantize_model
     from leapctl.runs import save_run
 
-    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=hidden // 32, num_key_value_heads=2, max_position_embeddings=256,
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     masks = MaskSet(masks=magnitude_masks(model, 0.5), model="tiny-llama")
     apply_masks(model, masks)
-    scales, zeros = quantize_model(model, masks, "rtn", group_size, grid=grid)
-    # tied: the embedding takes lm_head's values too
-    scales[LM_HEAD], head_zeros = quantize_lm_head(model, head_bits, group_size, grid)
+    scales, zeros = quantize_model(model, masks, "rtn", 64, grid=grid)
+    scales[LM_HEAD], head_zeros = quantize_lm_head(model, head_bits, 64, grid)  # tied: the embedding too
     if head_zeros is not None:
         zeros[LM_HEAD] = head_zeros
     run_dir, export_dir = root / "run", root / "sparse"  # the served model is named after the folder
     run_dir.mkdir()
-    entry = quantization_entry(4, group_size, "rtn", lm_head_bits=head_bits, grid=grid)
+    entry = quantization_entry(4, 64, "rtn", lm_head_bits=head_bits, grid=grid)
     save_run(run_dir, model, AutoTokenizer.from_pretrained(stories260k_dir), masks, {"quantization": entry},
              scales=scales, zeros=zeros)
     export(str(run_dir), "bitmap-q4", export_dir)
@@ -71,9 +68,7 @@ def head8_checkpoints(tmp_path_factory, stories260k_dir):
 
 @pytest.fixture(scope="module")
 def asymmetric_checkpoints(tmp_path_factory, stories260k_dir):
-    """quantize's defaults: the asymmetric grid, groups per layer: 192 columns take 64 (qkv, o, gate_up and
-    lm_head), down_proj's 256 take 128."""
-    return q4_checkpoint(tmp_path_factory.mktemp("q4-asym-serve"), stories260k_dir, 4, "asymmetric", 0, 192)
+    return q4_checkpoint(tmp_path_factory.mktemp("q4-asym-serve"), stories260k_dir, 4, "asymmetric")
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -81,14 +76,6 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     from serving.q4_linear import int8_activations
 
     return int8_activations(x, 64).to(x.dtype)
-
-
-def int8_rounded_per_layer(x: torch.Tensor) -> torch.Tensor:
-    """The same in the groups quantize chose per layer (the asymmetric checkpoints: 64 or 128 columns)."""
-    from leapctl.quantize import PER_LAYER, layer_group_size
-    from serving.q4_linear import int8_activations
-
-    return int8_activations(x, layer_group_size(x.shape[-1], PER_LAYER)).to(x.dtype)
 
 
 def int8_rows_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -169,9 +156,8 @@ def test_an_8_bit_lm_head_serves_the_reference_greedy_text(head8_checkpoints, tm
 
 @pytest.mark.parametrize("activations", ["int8", "bf16"])
 def test_the_asymmetric_grid_serves_the_reference_greedy_text(asymmetric_checkpoints, tmp_path, activations):
-    """Zero points per row and group on every 4-bit layer, lm_head included (its dense layout), groups of 64
-    and 128 in one model: the int8 kernel (decoding steps and prefill) and the bf16 one both serve
-    transformers' greedy text."""
+    """Zero points per row and group on every 4-bit layer, lm_head included (its dense layout): the int8
+    kernel (decoding steps and prefill) and the bf16 one both serve transformers' greedy text."""
     from serving import cpu_kernel
 
     if activations == "int8" and not cpu_kernel.int8_kernel_available():
@@ -179,9 +165,6 @@ def test_the_asymmetric_grid_serves_the_reference_greedy_text(asymmetric_checkpo
     run_dir, export_dir = asymmetric_checkpoints
     config = json.loads((export_dir / "config.json").read_text())["quantization_config"]
     assert config["grid"] == "asymmetric"
-    scales = load_file(export_dir / "model.safetensors")
-    assert scales["model.layers.0.mlp.down_proj.scales"].shape == (192, 2)  # 256 columns in groups of 128
-    assert scales["model.layers.0.mlp.gate_proj.scales"].shape[1] == 3  # 192 in groups of 64
     server = start_leapctl_serve(export_dir, tmp_path / "serve.log",
                                  extra_leapctl=["--activations", activations])
     try:
@@ -189,7 +172,7 @@ def test_the_asymmetric_grid_serves_the_reference_greedy_text(asymmetric_checkpo
         for prompt in PROMPTS:
             served = greedy_completion(server, "sparse", prompt, MAX_TOKENS)
             expected = transformers_greedy(run_dir, served["prompt_token_ids"], MAX_TOKENS,
-                                           int8_rounded_per_layer if activations == "int8" else None)
+                                           int8_rounded if activations == "int8" else None)
             assert served["token_ids"] == expected, prompt
     finally:
         stop_leapctl_serve(server)

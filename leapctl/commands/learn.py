@@ -181,10 +181,7 @@ def _write_run(config: LearnConfig, model, tokenizer, learned, scales, heldout: 
             from leapctl.quantize import quantization_entry
 
             kept_scales = {name: scales[name] for name in learned.masks}
-            sizes = {name: mask.shape[1] // kept_scales[name].shape[1]
-                     for name, mask in learned.masks.items()}
-            report["quantization"] = quantization_entry(config.bits, config.group_size, "rtn, then learn",
-                                                        layer_group_sizes=sizes)
+            report["quantization"] = quantization_entry(config.bits, config.group_size, "rtn, then learn")
         save_run(tmp, model, tokenizer, learned, report, scales=kept_scales)
         shutil.copy(state_dir / METRICS_FILE, tmp / METRICS_FILE)
         plot_density_per_block(block_density, config.density, tmp / "density_per_block.png")

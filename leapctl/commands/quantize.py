@@ -42,7 +42,7 @@ def run(config: QuantizeConfig) -> dict:
     check_output_dir(Path(config.out), config.overwrite, inputs)
     if source.scales is not None:
         raise LeapctlError(f"{config.run} is already quantized ({source.report.get('quantization', {})})")
-    group_sizes = check_group_size(source.masks, config.group_size)
+    check_group_size(source.masks, config.group_size)
     teacher = None
     if config.tune_steps:
         teacher = config.teacher or source.masks.model
@@ -75,7 +75,7 @@ def run(config: QuantizeConfig) -> dict:
     report = {"command": "quantize", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "quantization": quantization_entry(config.bits, config.group_size, config.method,
-                                                 config.lm_head_bits, config.grid, group_sizes),
+                                                 config.lm_head_bits, config.grid),
               "calibration": calibration, "tuning": tuning, "device": config.device,
               "quantize_seconds": round(quantize_seconds, 3)}
     mask_set = MaskSet(masks=source.masks.masks, model=source.masks.model,
@@ -121,13 +121,11 @@ def tune(model, tokenizer, teacher_spec: str, scales: dict, calib: str,
 
 
 def main(config: QuantizeConfig) -> int:
-    from leapctl.quantize import describe_group_sizes
-
     report = run(config)
     q = report["quantization"]
     layers = len(report["achieved_sparsity"]["per_layer"])
     head = f", lm_head {q['lm_head_bits']} bits" if q["lm_head_bits"] != 16 else ""
-    typer.echo(f"{q['method']}: {layers} pruned layers quantized to {q['bits']} bits "
-               f"({describe_group_sizes(q)}, {q['grid']} grid){head} in {report['quantize_seconds']:.1f}s -> "
+    typer.echo(f"{q['method']}: {layers} pruned layers quantized to {q['bits']} bits (group "
+               f"{q['group_size']}, {q['grid']} grid){head} in {report['quantize_seconds']:.1f}s -> "
                f"{config.out}")
     return 0

@@ -110,8 +110,8 @@ class LearnConfig:
     bits: int | None = setting(None, "Quantize the frozen weights of the masked linears to this many bits "
                                      "(4, the bitmap-q4 grid, round to nearest) before learning, so that "
                                      "the mask is learned against the weights that will be served.")
-    group_size: int = setting(0, "Input columns per scale with --bits: 0 (per layer, as `quantize`'s "
-                                 "default) or a multiple of 32 dividing the columns of every masked linear.")
+    group_size: int = setting(64, "Input columns per scale with --bits (a multiple of 32 dividing the "
+                                  "columns of every masked linear).")
     init: str = setting("wanda", "wanda (+-scale), wanda-small (authors' code) or random.")
     init_scale: float | None = setting(None, "s of the +-s Wanda initialisation (default: preset).")
     init_masks: Path | None = setting(None, "Start from these masks (a prune run folder or its mask file), "
@@ -234,13 +234,13 @@ class LearnConfig:
         if self.report_windows < 0:
             raise LeapctlError(f"--report-windows must be >= 0, got {self.report_windows}")
         if self.bits is not None:
-            from leapctl.quantize.config import GROUP_SIZE_ERROR, SUPPORTED_BITS, valid_group_size
+            from leapctl.quantize.config import SUPPORTED_BITS
 
             if self.bits not in SUPPORTED_BITS:
                 raise LeapctlError(f"--bits {self.bits} is not supported (supported: "
                                    f"{', '.join(map(str, SUPPORTED_BITS))})")
-            if not valid_group_size(self.group_size):
-                raise LeapctlError(GROUP_SIZE_ERROR.format(self.group_size))
+            if self.group_size <= 0 or self.group_size % 32:
+                raise LeapctlError(f"--group-size must be a positive multiple of 32, got {self.group_size}")
             if self.resolved().reconstruct:
                 raise LeapctlError("--bits keeps the kept weights on their grid; --reconstruct would move "
                                    "them off it (pass --no-reconstruct)")

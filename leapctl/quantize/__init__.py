@@ -10,7 +10,6 @@ place: its weights become the dequantized values (exact in fp32), so a quantized
 ordinary checkpoint that eval, transformers and stock vLLM read, and `export --format bitmap-q4` turns
 it into codes and scales bit for bit. `leapctl.commands.quantize` is `leapctl quantize`."""
 
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -18,13 +17,7 @@ from torch import nn
 
 from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet
-from leapctl.quantize.config import (
-    GROUP_SIZE_ERROR,
-    PER_LAYER,
-    PER_LAYER_SIZES,
-    QuantizeConfig,
-    valid_group_size,
-)
+from leapctl.quantize.config import QuantizeConfig
 from leapctl.quantize.gptq import GPTQQuantizer
 from leapctl.quantize.rtn import ASYMMETRIC, GRIDS, SYMMETRIC, rtn_quantize
 from sparse_formats import int8_rows
@@ -32,33 +25,14 @@ from sparse_formats import int8_rows
 FORMAT = "bitmap-q4"
 
 
-def layer_group_size(cols: int, group_size: int) -> int:
-    """The group size of a layer with `cols` input columns: `group_size` as asked, or with PER_LAYER the
-    largest of 128, 64 and 32 that divides them (fewer scale bytes wherever the layer allows: groups of 128
-    decode as fast as the symmetric grid's 64, bench/results/README.md; SmolLM2's 576 columns take 64).
-    One line naming the columns where it does not divide them."""
-    if not valid_group_size(group_size):
-        raise LeapctlError(GROUP_SIZE_ERROR.format(group_size))
-    if group_size == PER_LAYER:
-        fitting = [size for size in PER_LAYER_SIZES if cols % size == 0]
-        if not fitting:
-            raise LeapctlError(f"no group size of {', '.join(map(str, PER_LAYER_SIZES))} divides the {cols} "
-                               f"input columns")
-        return fitting[0]
-    if cols % group_size:
-        raise LeapctlError(f"--group-size {group_size} does not divide the {cols} input columns")
-    return group_size
-
-
-def check_group_size(mask_set: MaskSet, group_size: int) -> dict[str, int]:
-    """Each pruned layer's group size; one line naming the first layer none fits."""
-    sizes = {}
+def check_group_size(mask_set: MaskSet, group_size: int) -> None:
+    """One line naming the first pruned layer whose columns the group size does not divide."""
+    if group_size <= 0 or group_size % 32:
+        raise LeapctlError(f"--group-size must be a positive multiple of 32, got {group_size}")
     for name, mask in mask_set.masks.items():
-        try:
-            sizes[name] = layer_group_size(mask.shape[1], group_size)
-        except LeapctlError as error:
-            raise LeapctlError(f"{error} of {name}") from None
-    return sizes
+        if mask.shape[1] % group_size:
+            raise LeapctlError(f"--group-size {group_size} does not divide the {mask.shape[1]} input columns "
+                               f"of {name}")
 
 
 def _linear(model: nn.Module, weight_name: str) -> nn.Linear:
@@ -75,8 +49,7 @@ def rtn_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids=N
     scales, zeros = {}, {}
     for name, mask in mask_set.masks.items():
         linear = _linear(model, name)
-        weight, scale, zero = rtn_quantize(linear.weight, mask.to(linear.weight.device),
-                                           layer_group_size(mask.shape[1], group_size), grid)
+        weight, scale, zero = rtn_quantize(linear.weight, mask.to(linear.weight.device), group_size, grid)
         linear.weight.copy_(weight.to(linear.weight.dtype))
         scales[name] = scale.cpu()
         if zero is not None:
@@ -96,9 +69,8 @@ def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids:
     scales: dict[str, torch.Tensor] = {}
     zeros: dict[str, torch.Tensor] = {}
     update_under_masks(model, calib_ids, mask_set,
-                       lambda linear, mask, name: GPTQQuantizer(linear, mask,
-                                                                layer_group_size(mask.shape[1], group_size),
-                                                                scales, name, grid, zeros, act_order),
+                       lambda linear, mask, name: GPTQQuantizer(linear, mask, group_size, scales, name, grid,
+                                                                zeros, act_order),
                        "gptq 4-bit", device=device, batch_size=batch_size, progress=progress)
     return scales, zeros
 
@@ -140,10 +112,9 @@ def quantize_lm_head(model: nn.Module, bits: int, group_size: int,
         head.weight.copy_(int8_rows.dequantize(int8_rows.quantize_codes(head.weight, scales), scales)
                           .to(head.weight.dtype))
         return scales.cpu(), None
-    try:
-        group_size = layer_group_size(head.weight.shape[1], group_size)
-    except LeapctlError as error:
-        raise LeapctlError(f"--lm-head-bits 4: {error} of lm_head") from None
+    if head.weight.shape[1] % group_size:
+        raise LeapctlError(f"--lm-head-bits 4: --group-size {group_size} does not divide the "
+                           f"{head.weight.shape[1]} input columns of lm_head")
     everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
     weight, scales, zeros = rtn_quantize(head.weight, everything, group_size, grid)
     head.weight.copy_(weight.to(head.weight.dtype))
@@ -164,23 +135,11 @@ GRID_VALUES = {SYMMETRIC: "scale * (code - 7.5), code in 0..15, fp16 scale per r
 
 
 def quantization_entry(bits: int, group_size: int, method: str, lm_head_bits: int = 16,
-                       grid: str = SYMMETRIC, layer_group_sizes: dict[str, int] | None = None) -> dict:
-    """What a quantized run's report says about its grid (export and validate read it); `group_size` as
-    asked (PER_LAYER: each layer's own), `group_sizes` how many pruned layers took each."""
-    counts = Counter((layer_group_sizes or {}).values())
+                       grid: str = SYMMETRIC) -> dict:
+    """What a quantized run's report says about its grid (export and validate read it)."""
     return {"bits": bits, "group_size": group_size, "method": method, "format": FORMAT,
-            "lm_head_bits": lm_head_bits, "grid": grid, "values": GRID_VALUES[grid],
-            "group_sizes": {str(size): counts[size] for size in sorted(counts, reverse=True)}}
+            "lm_head_bits": lm_head_bits, "grid": grid, "values": GRID_VALUES[grid]}
 
 
-def describe_group_sizes(quantization: dict) -> str:
-    """'group 64' or 'groups of 128 (30 layers), 64 (180 layers)' for a run's `quantization` entry."""
-    sizes = quantization.get("group_sizes") or {str(quantization["group_size"]): None}
-    if len(sizes) == 1:
-        return f"group {next(iter(sizes))}"
-    return "groups of " + ", ".join(f"{size} ({count} layers)" for size, count in sizes.items())
-
-
-__all__ = ["ASYMMETRIC", "GRIDS", "LM_HEAD", "PER_LAYER", "QUANTIZERS", "QuantizeConfig", "SYMMETRIC",
-           "check_group_size", "describe_group_sizes", "layer_group_size", "lm_head_bits",
+__all__ = ["ASYMMETRIC", "GRIDS", "LM_HEAD", "QUANTIZERS", "QuantizeConfig", "SYMMETRIC", "lm_head_bits",
            "quantization_entry", "quantize_model"]

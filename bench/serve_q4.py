@@ -28,7 +28,8 @@ Measured per server: decode_tok_s, one sequence: (N - 1) tokens over the median 
 completions minus that of 1-token ones (streamed chunk times came in bursts); output_tok_s with 8 clients:
 all generated tokens over the wall time, every request `--max-tokens` long (EOS held off); prefill_s: time
 to the first token of three distinct 400-token prompts with one client, median. Writes
-OUT.json and OUT.md with the load average before and after.
+OUT.json and OUT.md with the load average before and after, and for leapctl servers the MiB of the worker on
+huge pages (its load line).
 
 With --profile, each vLLM server (stock or leapctl) then serves one more 1-client request under vLLM's torch
 profiler (`/start_profile`), and the result lists the step's time and the ops that take most of it by
@@ -39,6 +40,7 @@ the unprofiled tokens/s. The full tables stay under WORK/profile/MODEL/SERVER.""
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -72,6 +74,9 @@ SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl
            "leapctl-q4-50-head4-bf16x", "leapctl-q4-60-head4-bf16x", "leapctl-q4-50-head8-asym",
            "leapctl-q4-60-head8-asym", "leapctl-q4-60-head8-asym-g128")
 VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
+# The plugin's load line: how much of the worker the kernel put on huge pages (a leapctl server without them
+# decodes several % slower, which single runs cannot tell from the machine's noise).
+HUGE_PAGES_NOTE = re.compile(r"; (\d+) MiB of the process on huge pages")
 
 
 def dense_model(name: str, work: Path) -> Path:
@@ -234,9 +239,10 @@ def measure(model: str, name: str, kind: str, command_for, env, args, texts: lis
                 server, request_body(kind, texts[0], args.max_tokens)), folder))
             print(f"  {name}: profiled step {profile['step_ms']} ms: {profile['ops']}", flush=True)
         time.sleep(1.5)
+        pages = HUGE_PAGES_NOTE.search(log.read_text(errors="replace"))
         return {"start_s": round(start_s, 1), "decode_tok_s": round(decode, 2), "phases": phases,
                 "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(server.peak_rss / 2**20),
-                "profile": profile}
+                "huge_pages_mib": int(pages.group(1)) if pages else None, "profile": profile}
 
 
 def step_profile(rows: dict[str, dict], step: dict, top: int = 8) -> dict:
@@ -260,15 +266,16 @@ def markdown(result: dict) -> str:
     for model, servers in result["models"].items():
         reference = servers.get("llama.cpp-q4_0")
         lines += [f"### {model}", "", "| server | decode tok/s, one sequence | x llama.cpp Q4_0 | "
-                  "output tok/s, 8 clients | prefill s | peak RSS MiB |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "output tok/s, 8 clients | prefill s | peak RSS MiB | huge pages MiB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for name, got in servers.items():
             ratio = got["decode_tok_s"] / reference["decode_tok_s"] if reference else float("nan")
             many = next((p for p in got["phases"]), None)
             crowd = "" if many is None else f"{many['output_tok_s']:.1f}" + ("" if many["complete"] else
                                                                               " (short answers)")
+            pages = "" if got.get("huge_pages_mib") is None else got["huge_pages_mib"]
             lines.append(f"| {name} | {got['decode_tok_s']:.1f} | {ratio:.2f} | {crowd} | "
-                         f"{got['prefill_s']:.3f} | {got['peak_rss_mib']} |")
+                         f"{got['prefill_s']:.3f} | {got['peak_rss_mib']} | {pages} |")
         lines.append("")
         for name, got in servers.items():
             if got.get("profile"):

@@ -39,7 +39,8 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from serving import cpu_kernel
 from serving.contract import Q4_ZERO_POINTS, QUANT_METHOD, LeapSparseSettings
-from serving.huge_pages import huge_page_copy
+from serving.huge_pages import enabled as huge_pages_enabled
+from serving.huge_pages import huge_page_bytes, huge_page_copy
 from serving.int8_linear import (
     Int8Weight,
     NativeInt8,
@@ -148,9 +149,14 @@ class LeapSparseConfig(QuantizationConfig):
         self._dense_bytes += dense_bytes
         if self._layers_loaded == self._layers_expected:
             logger.info("leap_sparse: %d sparse linear layers hold %d bytes, %.4fx of %d dense bytes "
-                        "(format %s, %s)", self._layers_loaded, self._bytes_held,
+                        "(format %s, %s)%s", self._layers_loaded, self._bytes_held,
                         self._bytes_held / max(self._dense_bytes, 1), self._dense_bytes, self.fmt,
-                        self._compute + self._activations_note() + self.head_note)
+                        self._compute + self._activations_note() + self.head_note, self._pages_note())
+
+    def _pages_note(self) -> str:
+        """How much of the process the kernel put on huge pages, where the layers asked for them."""
+        held = huge_page_bytes() if self._native and huge_pages_enabled() else None
+        return "" if held is None else f"; {held / 2**20:.0f} MiB of the process on huge pages"
 
     def _activations_note(self) -> str:
         if self.fmt != "bitmap-q4" or self.decode_dense or not self._native:

@@ -58,7 +58,10 @@ def _anon_huge_kib(address: int) -> int:
 
 @linux_only
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off")
-def test_copy_lands_on_huge_pages():
+def test_copy_lands_on_huge_pages_and_the_process_total_counts_them():
+    before = huge_pages.huge_page_bytes()
     tensor = torch.ones(8 * HUGE_PAGE, dtype=torch.uint8)
     copy = huge_page_copy(tensor)
-    assert _anon_huge_kib(copy.data_ptr()) >= 4 * HUGE_PAGE // 1024  # most of it: khugepaged aside
+    landed = _anon_huge_kib(copy.data_ptr())
+    assert landed >= 4 * HUGE_PAGE // 1024  # most of it: khugepaged aside
+    assert huge_pages.huge_page_bytes() - before >= landed * 1024  # the rollup holds this mapping's pages

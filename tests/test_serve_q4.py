@@ -148,6 +148,12 @@ def test_an_8_bit_lm_head_serves_the_reference_greedy_text(head8_checkpoints, tm
         found = re.search(MEMORY_LINE, server.log())
         assert found, server.log()[-2000:]
         assert int(found.group(1)) == 2 * 4 + 1  # qkv, o, gate_up and down in each block, and lm_head
+        # where the native kernel multiplies, the line says what the kernel put on huge pages (this model's
+        # tensors are all under 2 MiB, so any figure; a 1B-shaped model's ~450 MB of layers show there)
+        from serving import huge_pages
+
+        native = "native CPU kernel" in server.log() and huge_pages.enabled()
+        assert bool(re.search(r"; \d+ MiB of the process on huge pages", server.log())) == native
         hidden = json.loads((export_dir / "config.json").read_text())["hidden_size"]
         assert ("8-bit lm_head: native int8 op" in server.log()) == native_int8_available(hidden)
     finally:

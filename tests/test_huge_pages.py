@@ -1,5 +1,6 @@
-"""serving.huge_pages: the copy is exact, 2 MiB-aligned and advised where it spans a huge page, and the
-tensor comes back unchanged where there is nothing to gain or it is switched off."""
+"""serving.huge_pages: the copy is exact, 2 MiB-aligned and advised where it spans a huge page, smaller
+tensors share an advised arena, and the tensor comes back unchanged where it cannot be copied or the copy
+is switched off."""
 
 import sys
 
@@ -24,12 +25,22 @@ def test_copy_is_exact_and_aligned(dtype, shape):
     assert torch.equal(copy, tensor)
 
 
-def test_small_or_off_comes_back_unchanged(monkeypatch):
-    small = torch.ones(HUGE_PAGE // 2 - 1, dtype=torch.uint8)
-    assert huge_page_copy(small) is small
+def test_small_tensors_share_an_arena_and_off_comes_back_unchanged(monkeypatch):
+    if not huge_pages.enabled():
+        pytest.skip("no madvise here")
+    monkeypatch.setattr(huge_pages, "_arena", {"buffer": None, "used": 0})  # a fresh arena
+    small = [(torch.arange(n) % 251).to(torch.uint8) for n in (HUGE_PAGE // 2 - 1, 1000, 77)]
+    copies = [huge_page_copy(t) for t in small]
+    for tensor, copy in zip(small, copies, strict=True):
+        assert copy.data_ptr() != tensor.data_ptr() and copy.data_ptr() % 64 == 0
+        assert torch.equal(copy, tensor)
+    # one after the other in the same mapping, each on its own cache line
+    assert copies[1].data_ptr() - copies[0].data_ptr() == -(-(HUGE_PAGE // 2 - 1) // 64) * 64
+    half = torch.ones(HUGE_PAGE // 2, dtype=torch.float16).view(-1, 64)  # a dtype wider than a byte
+    assert torch.equal(huge_page_copy(half), half)
     monkeypatch.setenv(huge_pages.ENV, "0")
     big = torch.ones(HUGE_PAGE, dtype=torch.uint8)
-    assert not huge_pages.enabled() and huge_page_copy(big) is big
+    assert not huge_pages.enabled() and huge_page_copy(big) is big and huge_page_copy(small[2]) is small[2]
     strided = torch.ones(2, HUGE_PAGE, dtype=torch.uint8).t()
     monkeypatch.delenv(huge_pages.ENV)
     assert huge_page_copy(strided) is strided
@@ -65,3 +76,6 @@ def test_copy_lands_on_huge_pages_and_the_process_total_counts_them():
     landed = _anon_huge_kib(copy.data_ptr())
     assert landed >= 4 * HUGE_PAGE // 1024  # most of it: khugepaged aside
     assert huge_pages.huge_page_bytes() - before >= landed * 1024  # the rollup holds this mapping's pages
+    # a tensor under a huge page goes into an arena whose pages are advised as a whole: on a huge page too
+    small = huge_page_copy(torch.ones(HUGE_PAGE // 4, dtype=torch.uint8))
+    assert _anon_huge_kib(small.data_ptr()) >= HUGE_PAGE // 1024

@@ -96,9 +96,8 @@ def _from_arena(nbytes: int) -> torch.Tensor:
 
 def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (contiguous, CPU) copied onto huge pages: its own mapping from a huge page up (its ragged end
-    stays on 4 KiB pages, so resident memory grows by nothing), else a share of an arena, so that the small
-    tensors (the 1B shape's q/k/v and o codes, every layer's scales and zero points: 28% of the 60% layout's
-    bytes) are on huge pages too. Other devices, non-contiguous tensors and switched off: `tensor` itself."""
+    stays on 4 KiB pages, so resident memory grows by nothing), else a share of an arena (see the module's
+    docstring). Other devices, non-contiguous tensors and switched off: `tensor` itself."""
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu" or nbytes == 0 or not tensor.is_contiguous() or not enabled():
         return tensor

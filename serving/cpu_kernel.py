@@ -33,6 +33,7 @@ ISAS = ("avx512", "avx2")  # fastest first
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
            "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp", "bitmap_q4_i8_linear.cpp", "bitmap_q4_i8_avx512.cpp",
+           "bitmap_q4_i8_avx2.cpp",
            "int8_rows_linear.cpp", "int8_rows_avx512.cpp")
 HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))  # every header is in the build's hash
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
@@ -141,8 +142,8 @@ def current_isa() -> str:
 
 
 def int8_kernel_available() -> bool:
-    """Whether bitmap-q4 layers can multiply int8 x natively (`bitmap_q4_i8_linear`): the op loaded, a CPU
-    with AVX-512 VNNI and VBMI2, and GFNI, and the avx512 kernels chosen."""
+    """Whether bitmap-q4 layers can multiply int8 x natively (`bitmap_q4_i8_linear`): the op loaded, and
+    the avx2 kernels chosen or the avx512 ones on a CPU with AVX-512 VNNI and VBMI2, and GFNI."""
     return load() and torch.ops.leap_sparse_cpu.bitmap_q4_i8_available()
 
 

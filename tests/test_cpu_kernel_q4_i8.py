@@ -36,12 +36,23 @@ DENSITIES = [0.0, 0.5, 1.0]
 MS = [*range(1, 10), 16, 41, 47, 130]
 
 
-@pytest.fixture(scope="module")
-def op():
+@pytest.fixture(params=cpu_kernel.ISAS)
+def op(request):
+    """The op under each instruction set in turn (skipped where this CPU cannot run it): the AVX-512 kernels
+    (with VNNI, VBMI2 and GFNI) and the AVX2 ones, which have no prefill kernel (above 8 rows of x their
+    decoding kernel, 4 rows at a time)."""
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
-    if not cpu_kernel.int8_kernel_available():
-        pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI")
-    return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
+    if request.param not in cpu_kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    with cpu_kernel.using_isa(request.param):
+        if not cpu_kernel.int8_kernel_available():
+            pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI")
+        yield torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
+
+
+def prefill_kernel() -> bool:
+    """Whether more than 8 rows of x in int8 go through a prefill kernel (AVX-512), not the decoding one."""
+    return cpu_kernel.current_isa() == "avx512"
 
 
 @pytest.fixture
@@ -77,7 +88,8 @@ def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group:
     """How far the worst output lies outside its bound (<= 0: all inside). The reference multiplies x as
     the op does (rounded to int8 per group; with `tiles` x as it is above 8 rows) with the exact weight in
     float64. Bounds on the fp32 arithmetic, then the rounding to the output dtype by 2^-bits of the value:
-    - up to 8 rows (the decoding kernel: per 4 columns an exact integer dot, scaled and summed in fp32 lanes,
+    - up to 8 rows, and on AVX2 every M (the decoding kernel: per 4 (AVX2: 8) columns an exact integer dot,
+      scaled and summed in fp32 lanes,
       then across lanes): cols * 2^-23 * sum |x w|;
     - above (the prefill kernel): per group g an exact integer dot d_g times s_g = fp32(0.5 s_w * s_x) (one
       rounding, 2^-24 relative), the G terms summed by fused multiply-adds in group order (G roundings), then
@@ -91,9 +103,9 @@ def excess(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, group:
     multiplied = (x.float() if as_is else int8_activations(x, group)).double()
     b = 0 if bias is None else bias.double()
     expected = multiplied @ dense.double().T + b
-    decoding = rows_of_x <= INT8_MAX_ROWS and not tiles
+    decoding = (rows_of_x <= INT8_MAX_ROWS or not prefill_kernel()) and not as_is
     magnitude = multiplied.abs() @ (terms if decoding and terms is not None else dense.abs()).double().T
-    if rows_of_x > INT8_MAX_ROWS and not tiles:
+    if not decoding and not as_is:
         summing = (dense.shape[1] // group + 2) * 2.0**-24 * (magnitude + abs(b))
     else:
         summing = dense.shape[1] * 2.0**-23 * magnitude
@@ -293,13 +305,12 @@ def test_bad_input_is_refused_with_a_message(op):
         pack(t32["bitmap"], t32["codes"], t32["scales"], t32["row_offsets"], 128)
 
 
-def test_unavailable_under_the_avx2_kernels(op):
-    """`LEAP_SPARSE_CPU_ISA=avx2` (a CPU without AVX-512) turns the int8 path off: the plugin then serves
-    bf16 x, and the op itself refuses."""
+def test_the_avx2_kernels_take_int8_x(op):
+    """`LEAP_SPARSE_CPU_ISA=avx2` (what a CPU without AVX-512 gets) keeps the int8 path, prefill included."""
     code = ("import torch; from serving import cpu_kernel; cpu_kernel.load(); "
-            "print(cpu_kernel.int8_kernel_available())")
+            "print(cpu_kernel.int8_kernel_available(), torch.ops.leap_sparse_cpu.bitmap_q4_i8_prefill())")
     done = run_python(code, LEAP_SPARSE_CPU_ISA="avx2")
-    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "True int8", done.stderr[-2000:]
 
 
 def test_reads_stay_inside_the_codes(op, one_thread):

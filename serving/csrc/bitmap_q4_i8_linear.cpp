@@ -15,7 +15,8 @@
 //   leap_sparse_cpu::bitmap_q4_i8_prefill(mode="") -> "int8" (the default) or "tiles": how the op multiplies
 //          more than kPairMaxM rows; "tiles" multiplies x as it is with exact decoded tiles of W and ATen's GEMM
 //          (for bf16 x decoded straight to bf16: each exact value rounded once), as bitmap_q4_linear does. Set
-//          for the whole process (benchmarks and tests); "" only asks.
+//          for the whole process (benchmarks and tests); "" only asks. The AVX2 kernels have no prefill kernel:
+//          their "int8" prefill is the decoding kernel, kPairChunkM rows of x at a time.
 // A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,11 +50,15 @@ std::string prefill_op(std::string mode) {
   return g_prefill_int8.load() ? "int8" : "tiles";
 }
 
-bool i8_available() {
+// The AVX-512 kernels need VNNI, VBMI2 and GFNI beside the avx512 ISA's set; the AVX2 ones only what the avx2
+// ISA already requires (AVX2, FMA, F16C, POPCNT, BMI2).
+bool avx512_i8() {
   static const bool cpu =
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("gfni");
   return cpu && chosen_isa() == "avx512";
 }
+
+bool i8_available() { return avx512_i8() || chosen_isa() == "avx2"; }
 
 uint64_t pair_mask(const uint8_t* row, int64_t pair) {
   uint64_t word;
@@ -188,7 +193,8 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
                                int64_t n_cols, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& zeros) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
-  TORCH_CHECK(i8_available(), kOp, " needs AVX-512 with VNNI and VBMI2, GFNI, and the avx512 ISA chosen");
+  TORCH_CHECK(i8_available(), kOp, " needs AVX2 (or AVX-512 with VNNI, VBMI2 and GFNI) and that ISA chosen");
+  const bool avx512 = avx512_i8();
   TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
                   scales.device().is_cpu() && block_offsets.device().is_cpu() &&
                   (!bias.has_value() || bias->device().is_cpu()),
@@ -242,20 +248,28 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
               ": block_offsets do not fit the codes (make them with bitmap_q4_pack_pairs)");
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
 
-  if (m <= kPairMaxM) {
+  if (m <= kPairMaxM || (!avx512 && g_prefill_int8.load())) {
     const at::Tensor values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
     const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
     const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
-    quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
+    (avx512 ? quantize_x_avx512 : quantize_x_avx2)(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols,
+                                                    n_cols / p.groups, q8);
     p.x_values = q8.values;
     p.x_scales = q8.scales;
-    // The asymmetric grid's zero points' term needs each group's sum of q (the kernels fold it per row and group).
-    const at::Tensor starts = at::empty({asym ? m : 0, p.groups}, x.options().dtype(at::kInt));
-    if (asym) {
-      q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>(), true);
+    // The asymmetric grid's zero points' term needs each group's sum of q (the kernels fold it per row and group);
+    // the AVX2 kernel's pruned columns' term needs it on either grid.
+    const bool sums = asym || !avx512;
+    const at::Tensor starts = at::empty({sums ? m : 0, p.groups}, x.options().dtype(at::kInt));
+    if (sums) {
+      if (avx512) {
+        q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>(), true);
+      } else {
+        q8_group_starts_avx2(q8, m, n_cols, starts.data_ptr<int32_t>());
+      }
       p.x_starts = starts.data_ptr<int32_t>();
     }
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { q4_pairs_gemm_blocks_avx512(p, begin, end); });
+    const auto gemm = avx512 ? q4_pairs_gemm_blocks_avx512 : q4_pairs_gemm_blocks_avx2;
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { gemm(p, begin, end); });
     return y;
   }
 
@@ -277,13 +291,15 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   }
 
   // Prefill: x as it is against exact tiles (decoded straight to bf16 for bf16 x), whole blocks of rows per tile.
+  const auto decode_bf16 = avx512 ? q4_pairs_decode_blocks_bf16_avx512 : q4_pairs_decode_blocks_bf16_avx2;
+  const auto decode_f32 = avx512 ? q4_pairs_decode_blocks_avx512 : q4_pairs_decode_blocks_avx2;
   tiled_gemm(x2, bias, rows, kPairRows, y, true, [&](int64_t first, int64_t last, void* tile, bool bf16) {
     at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
       const int64_t at_row = (begin * kPairRows - first) * n_cols;
       if (bf16) {
-        q4_pairs_decode_blocks_bf16_avx512(p, begin, end, static_cast<uint16_t*>(tile) + at_row, n_cols);
+        decode_bf16(p, begin, end, static_cast<uint16_t*>(tile) + at_row, n_cols);
       } else {
-        q4_pairs_decode_blocks_avx512(p, begin, end, static_cast<float*>(tile) + at_row, n_cols);
+        decode_f32(p, begin, end, static_cast<float*>(tile) + at_row, n_cols);
       }
     });
   });

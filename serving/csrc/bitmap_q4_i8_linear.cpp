@@ -1,10 +1,13 @@
 // The torch ops of bitmap-q4 weights with int8 x (the plugin's `activations=int8`):
 //   leap_sparse_cpu::bitmap_q4_i8_available() -> whether this CPU and the chosen ISA run them
-//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols, zeros=None)
+//   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols, zeros=None,
+//                                         pruned_at_zero=False)
 //       -> (masks, codes, block_offsets, scales, zeros): the pair layout (bitmap_q4_kernels.h) of a checked
 //          bitmap-q4 weight, made once at load; zeros (the asymmetric grid's zero points as stored, uint8 [rows,
 //          (groups + 1) / 2], two to a byte) become one byte per row and group in the scales' order, or an empty
-//          tensor (the symmetric grid) where none are given
+//          tensor (the symmetric grid) where none are given. pruned_at_zero (the asymmetric grid only): the dense
+//          layout, every column a code, a pruned one its group's zero point (the value 0): for CPUs without a
+//          byte expand, where reading those codes costs less than placing the kept ones (bitmap_q4_i8_avx2.cpp)
 //   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None,
 //                                        zeros=None)
 //       -> y = x W^T + b from the pair layout (zeros: pack_pairs' zeros, None or empty for the symmetric grid):
@@ -68,16 +71,19 @@ uint64_t pair_mask(const uint8_t* row, int64_t pair) {
 
 // Puts one row's codes of pair q, from the stored layout (each 32-column word's codes from a byte, `codes` at
 // the pair's first word), in the low (nibble 0) or high (nibble 1) nibbles of the pair layout's bytes at `out`,
-// its k-th kept code in byte k.
-void pack_pair(uint64_t mask, const uint8_t* codes, int nibble, uint8_t* out) {
-  int64_t t = 0;  // kept weight of the pair
+// its k-th kept code in byte k; with a `fill` (0..15) every column's, a pruned one's the fill, in byte c.
+void pack_pair(uint64_t mask, const uint8_t* codes, int nibble, uint8_t* out, int fill = -1) {
+  int64_t t = 0;  // byte of the pair layout
   for (int half = 0; half < 2; ++half) {
-    const int n = __builtin_popcount(static_cast<uint32_t>(mask >> (32 * half)));
-    for (int k = 0; k < n; ++k, ++t) {
-      const uint8_t code = (codes[k / 2] >> (4 * (k % 2))) & 0xf;
-      out[t] |= static_cast<uint8_t>(code << (4 * nibble));
+    const uint32_t word = static_cast<uint32_t>(mask >> (32 * half));
+    for (int c = 0, k = 0; c < 32; ++c) {
+      const bool kept = (word >> c) & 1;
+      if (!kept && fill < 0) continue;
+      const uint8_t code = kept ? (codes[k / 2] >> (4 * (k % 2))) & 0xf : static_cast<uint8_t>(fill);
+      out[t++] |= static_cast<uint8_t>(code << (4 * nibble));
+      k += kept;
     }
-    codes += (n + 1) / 2;
+    codes += (__builtin_popcount(word) + 1) / 2;
   }
 }
 
@@ -88,7 +94,7 @@ int64_t row_pair_bytes(uint64_t first, uint64_t second) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
     const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_offsets,
-    int64_t n_cols, const std::optional<at::Tensor>& zeros) {
+    int64_t n_cols, const std::optional<at::Tensor>& zeros, bool pruned_at_zero) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
   TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0, kOp, ": n_cols must be a positive multiple of 64, got ", n_cols);
   TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && row_offsets.device().is_cpu() &&
@@ -106,6 +112,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
               (scales.size(1) + 1) / 2, "] (two 4-bit zero points a byte), got ",
               zeros.has_value() ? zeros->scalar_type() : at::kByte, " ",
               zeros.has_value() ? zeros->sizes() : at::IntArrayRef{});
+  TORCH_CHECK(!pruned_at_zero || zeros.has_value(), kOp,
+              ": pruned_at_zero needs the asymmetric grid's zeros (the symmetric grid has no level 0)");
   const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
   const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
   const uint8_t* bit_data = bits.data_ptr<uint8_t>();
@@ -121,16 +129,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
       for (int64_t r = 0; r < kPairRows; ++r) mask_data[(b * pairs + q) * kPairRows + r] = mask_of(b * kPairRows + r, q);
     }
   }
-  // Every weight kept (rows a whole number of blocks): the dense layout, without masks or pass headers.
-  const bool dense = rows % kPairRows == 0 && std::all_of(mask_data, mask_data + masks.numel(),
-                                                           [](uint64_t mask) { return mask == ~uint64_t{0}; });
+  // Every weight kept (rows a whole number of blocks), or pruned_at_zero: the dense layout, without masks or pass
+  // headers.
+  const bool dense = pruned_at_zero || (rows % kPairRows == 0 &&
+                                        std::all_of(mask_data, mask_data + masks.numel(),
+                                                    [](uint64_t mask) { return mask == ~uint64_t{0}; }));
   const int64_t header = dense ? 0 : kPairHeader;
   int64_t total = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     block_offset[b] = total;
     for (int64_t q = 0; q < pairs; ++q) {
       const uint64_t* m = mask_data + (b * pairs + q) * kPairRows;
-      total += header + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
+      total += dense ? 2 * 64 : header + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
     }
   }
   const int64_t groups = scales.size(1);
@@ -145,6 +155,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
   uint8_t* out = packed.data_ptr<uint8_t>();
   const uint8_t* in = code.data_ptr<uint8_t>();
   const int32_t* in_offset = offsets.data_ptr<int32_t>();
+  const at::Tensor stored_zeros = zeros.has_value() ? zeros->contiguous() : at::Tensor();
+  const auto zero_of = [&](int64_t row, int64_t g) {  // as stored: group g of a row in byte g / 2
+    const uint8_t* z = stored_zeros.data_ptr<uint8_t>() + row * stored_zeros.size(1);
+    return (z[g / 2] >> (4 * (g % 2))) & 0xf;
+  };
+  const int64_t group_pairs = n_cols / scales.size(1) / 64;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* row_codes[kPairRows];
@@ -162,11 +178,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
         }
         for (int64_t r = 0; r < kPairRows; ++r) {
           if (row_codes[r] != nullptr) {  // padding rows (mask 0) have none
-            pack_pair(m[r], row_codes[r], static_cast<int>(r % 2), dst);
+            const int fill = pruned_at_zero ? zero_of(b * kPairRows + r, q / group_pairs) : -1;
+            pack_pair(m[r], row_codes[r], static_cast<int>(r % 2), dst, fill);
             row_codes[r] += (__builtin_popcount(static_cast<uint32_t>(m[r])) + 1) / 2 +
                             (__builtin_popcount(static_cast<uint32_t>(m[r] >> 32)) + 1) / 2;
           }
-          if (r % 2 == 1) dst += row_pair_bytes(m[r - 1], m[r]);
+          if (r % 2 == 1) dst += dense ? 64 : row_pair_bytes(m[r - 1], m[r]);
         }
       }
     }
@@ -174,13 +191,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
   // The zero points, one byte each in the scales' order: [blocks, groups, kPairRows], padded rows 0.
   at::Tensor block_zeros = at::zeros({zeros.has_value() ? blocks : 0, groups, kPairRows}, code.options());
   if (zeros.has_value()) {
-    const at::Tensor stored = zeros->contiguous();
-    const uint8_t* z = stored.data_ptr<uint8_t>();
     uint8_t* zout = block_zeros.data_ptr<uint8_t>();
-    const int64_t stride = stored.size(1);
     for (int64_t row = 0; row < rows; ++row) {
       for (int64_t g = 0; g < groups; ++g) {
-        zout[((row / kPairRows) * groups + g) * kPairRows + row % kPairRows] = (z[row * stride + g / 2] >> (4 * (g % 2))) & 0xf;
+        zout[((row / kPairRows) * groups + g) * kPairRows + row % kPairRows] = static_cast<uint8_t>(zero_of(row, g));
       }
     }
   }
@@ -211,7 +225,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
               "columns (the pair layout, bitmap_q4_pack_pairs)");
   const bool dense = masks.numel() == 0;
   TORCH_CHECK(masks.scalar_type() == at::kLong &&
-                  (dense ? rows % kPairRows == 0 : masks.numel() == blocks * (n_cols / 64) * kPairRows) &&
+                  (dense || masks.numel() == blocks * (n_cols / 64) * kPairRows) &&
                   codes.scalar_type() == at::kByte && codes.dim() == 1 && codes.numel() >= kPairPad &&
                   block_offsets.scalar_type() == at::kLong && block_offsets.numel() == blocks,
               kOp, ": masks, codes and block_offsets must be the pair layout (bitmap_q4_pack_pairs)");
@@ -313,7 +327,8 @@ TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
   m.def("bitmap_q4_i8_prefill(str mode=\"\") -> str", &leap_sparse::prefill_op);
   m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
-        "Tensor? zeros=None) -> (Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, Tensor zeros)");
+        "Tensor? zeros=None, bool pruned_at_zero=False) -> (Tensor masks, Tensor codes, Tensor block_offsets, "
+        "Tensor scales, Tensor zeros)");
   m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "
         "int n_rows, int n_cols, Tensor? bias=None, Tensor? zeros=None) -> Tensor");
 }

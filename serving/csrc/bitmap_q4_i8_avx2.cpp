@@ -95,27 +95,23 @@ inline void pass_starts(bool dense, const uint8_t*& codes, const uint8_t* at[2])
   }
 }
 
-// One row's 64 columns of a pair as u bytes (2 * code or code where kept, `fill` elsewhere) in two registers:
-// `src` the pair of rows' shared code bytes, `high` whether the row's codes are the high nibbles, `mask` the
-// row's 64-bit mask (all ones in a dense layout).
+// A row's nibble of each byte of v as u: the code (Asym) or twice the code; `high`: the high nibbles.
 template <bool Asym>
-__attribute__((always_inline)) inline void dense_row(const uint8_t* src, bool high, __m256i w[2]) {
-  const __m256i nibble = _mm256_set1_epi8(Asym ? 0x0f : 0x1e);
-  __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-  if (Asym) {
-    if (high) {
-      a = _mm256_srli_epi16(a, 4);
-      b = _mm256_srli_epi16(b, 4);
-    }
-  } else {
-    a = high ? _mm256_srli_epi16(a, 3) : _mm256_slli_epi16(a, 1);
-    b = high ? _mm256_srli_epi16(b, 3) : _mm256_slli_epi16(b, 1);
-  }
-  w[0] = _mm256_and_si256(a, nibble);
-  w[1] = _mm256_and_si256(b, nibble);
+__attribute__((always_inline)) inline __m256i row_nibbles(__m256i v, bool high) {
+  if (Asym) return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0f));
+  return _mm256_and_si256(high ? _mm256_srli_epi16(v, 3) : _mm256_slli_epi16(v, 1), _mm256_set1_epi8(0x1e));
 }
 
+// One row's 64 columns of a pair in a dense layout as u bytes in two registers: `src` the pair of rows' shared
+// code bytes (column c in byte c), `high` whether the row's codes are the high nibbles.
+template <bool Asym>
+__attribute__((always_inline)) inline void dense_row(const uint8_t* src, bool high, __m256i w[2]) {
+  w[0] = row_nibbles<Asym>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), high);
+  w[1] = row_nibbles<Asym>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32)), high);
+}
+
+// The same from a sparse layout (2 * code or code where kept, `fill` elsewhere): `src` the shared bytes of the
+// kept codes, `mask_at` the row's 64-bit mask.
 template <bool Asym>
 __attribute__((always_inline)) inline void expand_row(const uint8_t* src, bool high, const uint64_t* mask_at,
                                                       __m256i fill, __m256i w[2]) {
@@ -124,20 +120,8 @@ __attribute__((always_inline)) inline void expand_row(const uint8_t* src, bool h
   const int64_t o1 = _mm_popcnt_u64(mask & 0xffff);
   const int64_t o2 = _mm_popcnt_u64(mask & 0xffffffff);
   const int64_t o3 = _mm_popcnt_u64(mask << 16);
-  const __m256i nibble = _mm256_set1_epi8(Asym ? 0x0f : 0x1e);
-  __m256i s01 = two_lanes(src, src + o1), s23 = two_lanes(src + o2, src + o3);
-  // The row's nibble as the code (Asym) or twice the code.
-  if (Asym) {
-    if (high) {
-      s01 = _mm256_srli_epi16(s01, 4);
-      s23 = _mm256_srli_epi16(s23, 4);
-    }
-  } else {
-    s01 = high ? _mm256_srli_epi16(s01, 3) : _mm256_slli_epi16(s01, 1);
-    s23 = high ? _mm256_srli_epi16(s23, 3) : _mm256_slli_epi16(s23, 1);
-  }
-  s01 = _mm256_and_si256(s01, nibble);
-  s23 = _mm256_and_si256(s23, nibble);
+  const __m256i s01 = row_nibbles<Asym>(two_lanes(src, src + o1), high);
+  const __m256i s23 = row_nibbles<Asym>(two_lanes(src + o2, src + o3), high);
   const __m256i c01 = _mm256_add_epi8(two_lanes(kLanes.low[b[0]], kLanes.low[b[2]]),
                                       two_lanes(kLanes.high[b[1]], kLanes.high[b[3]]));
   const __m256i c23 = _mm256_add_epi8(two_lanes(kLanes.low[b[4]], kLanes.low[b[6]]),

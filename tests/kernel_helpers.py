@@ -7,7 +7,8 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -15,6 +16,21 @@ import torch
 X86_ONLY = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                               reason="the native kernel is built for x86-64 only")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextmanager
+def under_isa(name: str, available: Callable[[], bool], missing: str) -> Iterator[None]:
+    """Inside the block the native op runs its `name` kernels; the test is skipped where this CPU cannot
+    run them, or where `available()` (the op's own check under that ISA) says no (reason: `missing`)."""
+    from serving import cpu_kernel
+
+    assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
+    if name not in cpu_kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {name} kernel")
+    with cpu_kernel.using_isa(name):
+        if not available():
+            pytest.skip(missing)
+        yield
 
 
 def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:

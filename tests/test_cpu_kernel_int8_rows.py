@@ -6,7 +6,7 @@ its own instantiation), odd row counts of W, bf16 and fp32 x, bias, 1 and 2 thre
 
 import pytest
 import torch
-from kernel_helpers import X86_ONLY, assert_opaque_under_compile, assert_threads_agree
+from kernel_helpers import X86_ONLY, assert_opaque_under_compile, assert_threads_agree, under_isa
 
 from serving import cpu_kernel
 from serving.int8_linear import (
@@ -28,12 +28,7 @@ SHAPES = [(1, 64), (3, 128), (37, 576), (301, 576), (64, 4160)]
 def op(request):
     """The op under each instruction set in turn (skipped where this CPU cannot run it): AVX-512 VNNI
     (u = q + 128 and the row sums) and AVX2 (|w| times q with w's sign)."""
-    assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
-    if request.param not in cpu_kernel.supported_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernel")
-    with cpu_kernel.using_isa(request.param):
-        if not cpu_kernel.int8_rows_kernel_available():
-            pytest.skip("this CPU lacks AVX-512 VNNI")
+    with under_isa(request.param, cpu_kernel.int8_rows_kernel_available, "this CPU lacks AVX-512 VNNI"):
         yield torch.ops.leap_sparse_cpu.int8_rows_linear
 
 

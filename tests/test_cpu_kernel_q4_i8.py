@@ -18,6 +18,7 @@ from kernel_helpers import (
     assert_threads_agree,
     corrupted_q4,
     run_python,
+    under_isa,
 )
 
 from serving import cpu_kernel
@@ -41,12 +42,8 @@ def op(request):
     """The op under each instruction set in turn (skipped where this CPU cannot run it): the AVX-512 kernels
     (with VNNI, VBMI2 and GFNI) and the AVX2 ones, which have no prefill kernel (above 8 rows of x their
     decoding kernel, 4 rows at a time)."""
-    assert cpu_kernel.load(), cpu_kernel.unavailable_reason()
-    if request.param not in cpu_kernel.supported_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernel")
-    with cpu_kernel.using_isa(request.param):
-        if not cpu_kernel.int8_kernel_available():
-            pytest.skip("this CPU lacks AVX-512 VNNI or VBMI2, or GFNI")
+    missing = "this CPU lacks AVX-512 VNNI or VBMI2, or GFNI"
+    with under_isa(request.param, cpu_kernel.int8_kernel_available, missing):
         yield torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
 
 

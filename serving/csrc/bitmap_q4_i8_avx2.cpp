@@ -322,10 +322,7 @@ void q8_group_starts_avx2(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* st
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8.values + i * cols + c));
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
       }
-      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-      starts[i * q8.groups + g] = -_mm_cvtsi128_si32(s);
+      starts[i * q8.groups + g] = -sum8_epi32(sum);
     }
   }
 }

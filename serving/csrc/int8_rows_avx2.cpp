@@ -24,13 +24,6 @@ namespace {
 
 constexpr int64_t kAhead = 1024;  // software prefetch of each row's codes this many bytes ahead
 
-inline int32_t sum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // Row r of W for the M rows of x: M exact int32 sums of w * q, then per output sum * (s_w * s_x) + bias in fp32.
 template <int M>
 void row(const Int8RowsProblem& p, int64_t r) {
@@ -54,7 +47,7 @@ void row(const Int8RowsProblem& p, int64_t r) {
   const float sw = _cvtsh_ss(p.scales[r]);
   const float bias = p.bias == nullptr ? 0.0f : p.bias[r];
   for (int m = 0; m < M; ++m) {
-    const float value = std::fma(static_cast<float>(sum_epi32(acc[m])), sw * p.x_scales[m], bias);
+    const float value = std::fma(static_cast<float>(sum8_epi32(acc[m])), sw * p.x_scales[m], bias);
     const int64_t at = m * p.y_stride + r;
     if (p.dtype == DType::BF16) {
       store<DType::BF16>(p.y, at, value);

@@ -1,5 +1,5 @@
 // Helpers that the kernel files of both layouts share (bitmap_avx512.cpp, bitmap_avx2.cpp,
-// bitmap_q4_avx512.cpp, bitmap_q4_avx2.cpp): include it after <immintrin.h>, inside the file's
+// bitmap_q4_avx512.cpp, bitmap_q4_avx2.cpp, bitmap_q4_i8_avx2.cpp, int8_rows_avx2.cpp): include it after <immintrin.h>, inside the file's
 // `#pragma GCC target` region, so that every function here is compiled for that file's instructions.
 // They use nothing beyond AVX2, FMA, F16C and POPCNT, which both targets enable, and sit in an anonymous
 // namespace: each file keeps its own copy, compiled for its own target (one shared copy, compiled for
@@ -67,6 +67,14 @@ inline float sum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The sum of the 8 int32 lanes.
+inline int32_t sum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
 }
 
 // The element type of a dtype's values (bf16 and fp16 as their bits).

@@ -66,12 +66,18 @@ def device_name() -> str:
 
 
 def onednn_ops():
-    """vLLM's oneDNN dense linear (create, run), or None where vLLM's CPU ops are not installed."""
+    """vLLM's oneDNN dense linear (create, run), or None where vLLM's CPU ops are not installed or cannot
+    make a bf16 matmul on this CPU (none without AVX-512: "could not create a primitive descriptor")."""
     try:
         from vllm import _custom_ops as ops
     except ImportError:
         return None
     if not getattr(ops, "_supports_onednn", False):
+        return None
+    try:
+        ops.onednn_mm(ops.create_onednn_mm(torch.ones(64, 64, dtype=torch.bfloat16).t(), 32),
+                      torch.ones(1, 64, dtype=torch.bfloat16), None)
+    except RuntimeError:
         return None
     return ops.create_onednn_mm, ops.onednn_mm
 

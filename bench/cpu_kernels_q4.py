@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_kernels import device_name, onednn_ops, read_bandwidth, write_results  # noqa: E402
 
+from leapctl.quantize.config import ASYMMETRIC, SYMMETRIC  # noqa: E402
+from leapctl.quantize.rtn import round_to_grid, search_asymmetric  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
 
@@ -53,31 +55,47 @@ READ_BYTES = 1 << 30
 
 
 def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed: int):
-    """Copies (separate memory, equal contents) of the dense bf16 weight, its bitmap encoding and its
-    bitmap-q4 encoding, each op's copies holding at least `rotate` bytes."""
+def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed: int, grid: str):
+    """Copies (separate memory, equal contents) of the dense bf16 weight, its bitmap encoding, its bitmap-q4
+    encoding on `grid` (bitmap, codes, scales, row offsets, zero points or None) and the int8 op's pair
+    layouts ({"q4-int8": the one `Q4Weight.pairs()` picks on this CPU, "q4-int8-other": the asymmetric
+    grid's other one}) with the served one's name (dense: every column a code, pruned ones at their zero
+    point; sparse: the kept ones' codes and masks), each op's copies holding at least `rotate` bytes."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
     mask = torch.rand(n, k, generator=gen).argsort(dim=1) >= round(k * sparsity)  # exact per row
-    q4 = get_format("bitmap-q4").encode(weight, mask, group_size=group)
-    q4_parts = (q4["bitmap"], q4["codes"], q4["scales"], q4["row_offsets"])
-    dense = get_format("bitmap-q4").decode(q4).to(torch.bfloat16)  # the same weights for every op
+    fmt = get_format("bitmap-q4")
+    if grid == ASYMMETRIC:
+        scales, zeros = search_asymmetric(weight, mask, group)
+        q4 = fmt.encode(round_to_grid(weight, scales, zeros), mask, scales=scales, zeros=zeros)
+    else:
+        q4 = fmt.encode(weight, mask, group_size=group)
+    zeros = q4.get("zeros")  # as stored: two 4-bit zero points a byte
+    q4_parts = (q4["bitmap"], q4["codes"], q4["scales"], q4["row_offsets"], zeros)
+    dense = fmt.decode(q4).to(torch.bfloat16)  # the same weights for every op
     bitmap = get_format("bitmap").encode(dense, mask)
     bitmap_parts = (bitmap["bitmap"], bitmap["values"], bitmap["row_offsets"])
 
     def copies(parts):
         count = max(2, math.ceil(rotate / nbytes(parts)))
-        return [tuple(t.clone() for t in parts) for _ in range(count)]
+        return [tuple(None if t is None else t.clone() for t in parts) for _ in range(count)]
 
-    pairs = []
+    pairs, served_at_zero = (
+        {},
+        zeros is not None and cpu_kernel.current_isa() == "avx2",
+    )  # as Q4Weight.pairs()
     if group % 64 == 0 and cpu_kernel.int8_kernel_available():  # the int8 op needs 64-column groups
-        made = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(q4["bitmap"], q4["codes"], q4["scales"],
-                                                              q4["row_offsets"], k)
-        pairs = copies(tuple(made))
-    return copies((dense,)), copies(bitmap_parts), copies(q4_parts), pairs
+        layouts = {"q4-int8": served_at_zero}
+        if zeros is not None:
+            layouts["q4-int8-other"] = not served_at_zero
+        for name, at_zero in layouts.items():
+            made = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(*q4_parts[:4], k, zeros, at_zero)
+            pairs[name] = copies(tuple(made))
+    served = "dense" if served_at_zero else "sparse"
+    return copies((dense,)), copies(bitmap_parts), copies(q4_parts), pairs, served
 
 
 def time_ops(ops: dict, repeats: int) -> dict[str, float]:
@@ -96,38 +114,46 @@ def time_ops(ops: dict, repeats: int) -> dict[str, float]:
 
 
 def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, tokens) -> list[dict]:
-    dense, bitmap, q4, pairs = make_weights(n, k, sparsity, group, args.rotate_mib << 20, seed=n * 31 + k)
+    dense, bitmap, q4, pairs, int8_layout = make_weights(
+        n, k, sparsity, group, args.rotate_mib << 20, seed=n * 31 + k, grid=args.grid
+    )
     i8_op = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
     handlers = [onednn[0](w.t(), 32) for (w,) in dense] if onednn else []
     q4_bytes = nbytes(q4[0])
     q4_op, bitmap_op = torch.ops.leap_sparse_cpu.bitmap_q4_linear, torch.ops.leap_sparse_cpu.bitmap_linear
+
+    def q4_call(x, w):
+        return q4_op(x, *w[:4], k, None, w[4])
+
+    def i8_call(x, w):
+        return i8_op(x, *w[:4], n, k, None, w[4])
+
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for m in tokens:
             x = torch.randn(m, k).to(torch.bfloat16)
             ref = F.linear(x.float(), dense[0][0].float())
-            results = [q4_op(x, *q4[0], k, None), bitmap_op(x, *bitmap[0], k, None)]
-            if pairs:
-                results.append(i8_op(x, *pairs[0], n, k, None))
+            results = [q4_call(x, q4[0]), bitmap_op(x, *bitmap[0], k, None)]
+            results += [i8_call(x, layout[0]) for layout in pairs.values()]
             for got in results:
                 assert torch.allclose(got.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (
                     f"an op disagrees with dense for {model} {layer} M={m}"
                 )
             ops = {
-                "q4": (lambda x=x: [q4_op(x, *w, k, None) for w in q4], len(q4)),
+                "q4": (lambda x=x: [q4_call(x, w) for w in q4], len(q4)),
                 "bitmap": (lambda x=x: [bitmap_op(x, *w, k, None) for w in bitmap], len(bitmap)),
                 "linear": (lambda x=x: [F.linear(x, w) for (w,) in dense], len(dense)),
             }
             if handlers:
                 ops["onednn"] = (lambda x=x: [onednn[1](h, x, None) for h in handlers], len(handlers))
-            if pairs:
-                ops["q4-int8"] = (lambda x=x: [i8_op(x, *w, n, k, None) for w in pairs], len(pairs))
+            for name, weights in pairs.items():
+                ops[name] = (lambda x=x, ws=weights: [i8_call(x, w) for w in ws], len(weights))
             us = time_ops(ops, args.repeats)
             dense_op = min((name for name in us if name in ("linear", "onednn")), key=us.get)
             weight_gbs = q4_bytes / (us["q4"] * 1e-6) / 1e9
             # the int8 op streams the pair layout (a few % larger than the stored codes): its own bytes
-            int8_gbs = nbytes(pairs[0]) / (us["q4-int8"] * 1e-6) / 1e9 if "q4-int8" in us else None
+            int8_gbs = nbytes(pairs["q4-int8"][0]) / (us["q4-int8"] * 1e-6) / 1e9 if "q4-int8" in us else None
             rows.append(
                 {
                     "model": model,
@@ -152,13 +178,26 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
                     "weight_gbs": round(weight_gbs, 2),
                     "bandwidth_fraction": round(weight_gbs * 1e9 / bandwidth[threads], 3),
                     "int8_weight_gbs": None if int8_gbs is None else round(int8_gbs, 2),
-                    "int8_bandwidth_fraction": None if int8_gbs is None
+                    "int8_bandwidth_fraction": None
+                    if int8_gbs is None
                     else round(int8_gbs * 1e9 / bandwidth[threads], 3),
+                    "int8_layout": int8_layout if pairs else None,
+                    "int8_bytes": nbytes(pairs["q4-int8"][0]) if pairs else None,
+                    "q4_int8_other_us": round(us["q4-int8-other"], 2) if "q4-int8-other" in us else None,
+                    "int8_other_bytes": nbytes(pairs["q4-int8-other"][0])
+                    if "q4-int8-other" in pairs
+                    else None,
                 }
             )
             r = rows[-1]
-            int8 = (f", q4-int8 {us['q4-int8']:8.1f} us ({int8_gbs:5.1f} GB/s, "
-                    f"{r['int8_bandwidth_fraction']:.2f})" if "q4-int8" in us else "")
+            int8 = (
+                f", q4-int8 {us['q4-int8']:8.1f} us ({int8_layout}; {int8_gbs:5.1f} GB/s, "
+                f"{r['int8_bandwidth_fraction']:.2f})"
+                if "q4-int8" in us
+                else ""
+            )
+            if "q4-int8-other" in us:
+                int8 += f", the other layout {us['q4-int8-other']:8.1f} us"
             print(
                 f"    {threads} thr M={m:2d}{int8}: q4 {us['q4']:8.1f} us ({weight_gbs:5.1f} GB/s, "
                 f"{r['bandwidth_fraction']:.2f}), bitmap {us['bitmap']:8.1f}, dense {us[dense_op]:8.1f} "
@@ -186,8 +225,9 @@ def markdown_header(meta: dict) -> list[str]:
         f"{t} thread{'s' if int(t) > 1 else ''} {b / 1e9:.1f} GB/s" for t, b in meta["read_bandwidth"].items()
     )
     return [
-        f"bitmap-q4 op against the bf16 bitmap op and dense bf16 (the faster of F.linear and vLLM's oneDNN "
-        f"linear{'' if meta['onednn'] else ', not importable here: F.linear only'}), x in bf16, "
+        f"bitmap-q4 op ({meta['grid']} grid) against the bf16 bitmap op and dense bf16 (the faster of "
+        f"F.linear and vLLM's oneDNN linear{'' if meta['onednn'] else ', not importable: F.linear only'}), "
+        f"x in bf16; q4-int8: the int8-x op ({meta['isa']} kernels) on the pair layout serving picks here, "
         f"{meta['device']}, "
         f"{meta['date']}.",
         "",
@@ -241,8 +281,11 @@ def markdown_table(subset: list[dict], threads: int, tokens: list[int]) -> list[
                 f"{first['q4_over_bitmap']:.2f} | {first['q4_over_dense']:.2f} | "
                 f"{first['weight_gbs']:.1f} | "
                 f"{first['bandwidth_fraction']:.2f} | "
-                + (f"{first['int8_weight_gbs']:.1f} | {first['int8_bandwidth_fraction']:.2f}"
-                   if first.get("int8_weight_gbs") else " | ")
+                + (
+                    f"{first['int8_weight_gbs']:.1f} | {first['int8_bandwidth_fraction']:.2f}"
+                    if first.get("int8_weight_gbs")
+                    else " | "
+                )
             )
             if first
             else " | | | | | "
@@ -278,10 +321,34 @@ def geometric_means(subset: list[dict], tokens: list[int], group: int) -> list[s
             f"Geometric means over the layers, {sparsity:.0%}, G={group}: "
             + "; ".join(f"M={m} q4 {b:.2f}x bitmap, {d:.2f}x dense" for m, (b, d) in geo.items())
             + "."
-            + (" q4-int8 over q4: " + "; ".join(f"M={m} {v:.2f}x" for m, v in int8.items()) + "."
-               if int8 else "")
+            + (
+                " q4-int8 over q4: " + "; ".join(f"M={m} {v:.2f}x" for m, v in int8.items()) + "."
+                if int8
+                else ""
+            )
+            + layout_line(main, geo)
         )
     return lines
+
+
+def layout_line(rows: list[dict], tokens) -> str:
+    """The int8 op on its served pair layout against the other one (the asymmetric grid's dense layout, each
+    pruned column its zero point, or the sparse one), geometric mean per M."""
+    ratios = {
+        m: [r["q4_int8_other_us"] / r["q4_int8_us"] for r in rows if r["m"] == m and r["q4_int8_other_us"]]
+        for m in tokens
+    }
+    if not any(ratios.values()):
+        return ""
+    layout = rows[0]["int8_layout"]
+    other = "sparse" if layout == "dense" else "dense"
+    return (
+        f" q4-int8 on its {layout} pair layout over the {other} one: "
+        + "; ".join(
+            f"M={m} {math.exp(statistics.fmean(map(math.log, v))):.2f}x" for m, v in ratios.items() if v
+        )
+        + "."
+    )
 
 
 def main() -> None:
@@ -297,6 +364,12 @@ def main() -> None:
         type=int,
         default=[32, 128],
         help="other group sizes, timed once (Llama-3.2-1B down, 50%%, M=1)",
+    )
+    parser.add_argument(
+        "--grid",
+        choices=[ASYMMETRIC, SYMMETRIC],
+        default=ASYMMETRIC,
+        help="the 4-bit grid (quantize's default: asymmetric, a zero point per group)",
     )
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
     parser.add_argument("--repeats", type=int, default=11)
@@ -334,6 +407,8 @@ def main() -> None:
         "repeats": args.repeats,
         "rotate_mib": args.rotate_mib,
         "group": args.groups,
+        "grid": args.grid,
+        "isa": cpu_kernel.current_isa(),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "torch": torch.__version__,

@@ -113,6 +113,24 @@ def time_ops(ops: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def print_row(r: dict, us: dict[str, float]) -> None:
+    """One M's timings as they come."""
+    int8 = (
+        f", q4-int8 {us['q4-int8']:8.1f} us ({r['int8_layout']}; {r['int8_weight_gbs']:5.1f} GB/s, "
+        f"{r['int8_bandwidth_fraction']:.2f})"
+        if "q4-int8" in us
+        else ""
+    )
+    if "q4-int8-other" in us:
+        int8 += f", the other layout {us['q4-int8-other']:8.1f} us"
+    print(
+        f"    {r['threads']} thr M={r['m']:2d}{int8}: q4 {us['q4']:8.1f} us ({r['weight_gbs']:5.1f} GB/s, "
+        f"{r['bandwidth_fraction']:.2f}), bitmap {us['bitmap']:8.1f}, dense {r['dense_us']:8.1f} "
+        f"({r['dense_op']}): x{r['q4_over_bitmap']:.2f} over bitmap, x{r['q4_over_dense']:.2f} over dense",
+        flush=True,
+    )
+
+
 def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, tokens) -> list[dict]:
     dense, bitmap, q4, pairs, int8_layout = make_weights(
         n, k, sparsity, group, args.rotate_mib << 20, seed=n * 31 + k, grid=args.grid
@@ -189,21 +207,7 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
                     else None,
                 }
             )
-            r = rows[-1]
-            int8 = (
-                f", q4-int8 {us['q4-int8']:8.1f} us ({int8_layout}; {int8_gbs:5.1f} GB/s, "
-                f"{r['int8_bandwidth_fraction']:.2f})"
-                if "q4-int8" in us
-                else ""
-            )
-            if "q4-int8-other" in us:
-                int8 += f", the other layout {us['q4-int8-other']:8.1f} us"
-            print(
-                f"    {threads} thr M={m:2d}{int8}: q4 {us['q4']:8.1f} us ({weight_gbs:5.1f} GB/s, "
-                f"{r['bandwidth_fraction']:.2f}), bitmap {us['bitmap']:8.1f}, dense {us[dense_op]:8.1f} "
-                f"({dense_op}): x{r['q4_over_bitmap']:.2f} over bitmap, x{r['q4_over_dense']:.2f} over dense",
-                flush=True,
-            )
+            print_row(rows[-1], us)
     return rows
 
 

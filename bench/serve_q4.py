@@ -67,6 +67,7 @@ from serve_cpu import (  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from leapctl.commands.serve import PLAIN_CHAT_TEMPLATE, server_command, server_env  # noqa: E402
+from leapctl.errors import LeapctlError  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +76,7 @@ SERVERS = ("vllm-bf16", "vllm-gptq", "llama.cpp-q4_0", "llama.cpp-f16", "leapctl
            "leapctl-q4-50-head4-bf16x", "leapctl-q4-60-head4-bf16x", "leapctl-q4-50-head8-asym",
            "leapctl-q4-60-head8-asym", "leapctl-q4-60-head8-asym-g128")
 VLLM_FLAGS = ["--max-model-len", "1024", "--seed", "0"]
+FIRST_ERROR = re.compile(r"ERROR .*?\] (\w+(?:Error|Exception): .+)$", re.MULTILINE)
 
 
 def vllm_flags(dtype: str = "bfloat16") -> list[str]:
@@ -251,6 +253,12 @@ def measure(model: str, name: str, kind: str, command_for, env, args, texts: lis
                 "huge_pages_mib": int(pages.group(1)) if pages else None, "profile": profile}
 
 
+def failure(log: Path, error: Exception) -> str:
+    """Why a server never became ready: the first exception its log reports, else the launcher's error."""
+    found = FIRST_ERROR.search(log.read_text(errors="replace")) if log.is_file() else None
+    return found.group(1).strip() if found else str(error)
+
+
 def step_profile(rows: dict[str, dict], step: dict, top: int = 8) -> dict:
     """ms per decode step (the prompt's one prefill step spread over them): the whole step and the `top`
     ops by their own time (children excluded), with their calls per step."""
@@ -271,10 +279,14 @@ def markdown(result: dict) -> str:
              f"{result['load_before']:.2f} before, {result['load_after']:.2f} after. One run.", ""]
     for model, servers in result["models"].items():
         reference = servers.get("llama.cpp-q4_0")
+        reference = None if reference is None or "failed" in reference else reference
         lines += [f"### {model}", "", "| server | decode tok/s, one sequence | x llama.cpp Q4_0 | "
                   "output tok/s, 8 clients | prefill s | peak RSS MiB | huge pages MiB |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for name, got in servers.items():
+            if "failed" in got:
+                lines.append(f"| {name} | not served: {got['failed']} | | | | | |")
+                continue
             ratio = got["decode_tok_s"] / reference["decode_tok_s"] if reference else float("nan")
             many = next((p for p in got["phases"]), None)
             crowd = "" if many is None else f"{many['output_tok_s']:.1f}" + ("" if many["complete"] else
@@ -329,8 +341,14 @@ def main() -> None:
         cut_long = [rest[i * args.prefill_tokens:(i + 1) * args.prefill_tokens] for i in range(3)]
         texts = [(p, tokenizer.decode(p)) for p in cut]
         long_prompts = [(p, tokenizer.decode(p)) for p in cut_long]
-        results[model] = {name: measure(model, name, kind, command_for, env, args, texts, long_prompts)
-                          for name, (kind, command_for, env) in servers.items()}
+        results[model] = {}
+        for name, (kind, command_for, env) in servers.items():
+            try:
+                results[model][name] = measure(model, name, kind, command_for, env, args, texts, long_prompts)
+            except LeapctlError as exc:  # a server that cannot run here (vLLM's GPTQ on AVX2) spoils no other
+                reason = failure(args.work / f"{name}.log", exc)
+                print(f"  {name}: not served: {reason}", flush=True)
+                results[model][name] = {"failed": reason}
     result = {"settings": settings(args), "load_before": load_before, "load_after": os.getloadavg()[0],
               "models": results}
     write_result(Path(args.out), result, markdown(result))

@@ -2,8 +2,9 @@
 prune run's masks) -> `leapctl quantize` (its defaults: GPTQ with the mask fixed, then scale tuning) ->
 `leapctl export --format bitmap-q4` -> `leapctl validate` -> `leapctl serve`, answering like transformers on
 the quantized run folder; and the demo's `--no-quantize` chain (a bitmap export of the learn run, answering
-like stock vLLM on the learn run folder itself). The model is a random Llama with head size 32 (vLLM's CPU
-attention refuses stories260K's 8) and the stories260K tokenizer; every mask comes from prune/learn."""
+like transformers on the learn run folder itself; test_serve.py compares the bitmap path with stock vLLM).
+The model is a random Llama with head size 32 (vLLM's CPU attention refuses stories260K's 8) and the
+stories260K tokenizer; every mask comes from prune/learn."""
 
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from test_serve_cli import (
     greedy_completion,
     save_tiny_llama,
     start_leapctl_serve,
-    start_stock_vllm,
     stop_leapctl_serve,
     transformers_greedy,
 )
@@ -76,14 +76,11 @@ def test_no_quantize_export_validate_serve(learn_run, tmp_path):
     leapctl("export", learn_run, "--format", "bitmap", "--out", export)
     leapctl("validate", export)
 
-    dense = start_stock_vllm(learn_run, tmp_path / "stock.log")  # the run folder as it is
-    try:
-        expected = {p: greedy_completion(dense, "dense", p, 16)["token_ids"] for p in PROMPTS}
-    finally:
-        dense.kill()
     sparse = start_leapctl_serve(export, tmp_path / "sparse.log")
     try:
         for prompt in PROMPTS:
-            assert greedy_completion(sparse, "export", prompt, 16)["token_ids"] == expected[prompt], prompt
+            served = greedy_completion(sparse, "export", prompt, 16)
+            expected = transformers_greedy(learn_run, served["prompt_token_ids"], 16)  # the run as it is
+            assert served["token_ids"] == expected, prompt
     finally:
         stop_leapctl_serve(sparse)

@@ -2,14 +2,16 @@
 
     python bench/cpu_kernels_q4.py [--models SmolLM2-135M Llama-3.2-1B] [--sparsities 0.5 0.6]
                                    [--tokens 1 4 8 16] [--groups 64] [--extra-groups 32 128] [--threads 1]
-                                   [--repeats 11] [--rotate-mib 256] [--out bench/results/cpu_kernels_q4]
+                                   [--grid asymmetric|symmetric] [--repeats 11] [--rotate-mib 256]
+                                   [--out bench/results/cpu_kernels_q4]
 
 For every decoder linear shape of each model ([n, k] = [out, in] features, each projection on its own:
 q/o, k/v, gate/up, down), each sparsity, group size and M rows of x (bf16), it times on one masked weight:
 - q4: `torch.ops.leap_sparse_cpu.bitmap_q4_linear` on the `bitmap-q4` encoding (codes + fp16 scales);
 - q4-int8: `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear` (int8 x, what `leapctl serve` runs by default) on
-  the pair layout made from it, where the CPU has AVX-512 VNNI (its result is checked against the same
-  tolerance: it rounds x to int8);
+  the pair layout `Q4Weight.pairs()` makes on this CPU (AVX2 and the asymmetric grid: the dense layout, each
+  pruned column its zero point; else masks and kept codes), and q4-int8-other on the other one where the
+  grid has both (its result is checked against the same tolerance: it rounds x to int8);
 - bitmap: `torch.ops.leap_sparse_cpu.bitmap_linear` on the `bitmap` encoding with bf16 values;
 - `torch.nn.functional.linear` on the dense masked weight in bf16, and vLLM's oneDNN linear where vLLM's CPU
   ops import (as bench/cpu_kernels.py sets it up).

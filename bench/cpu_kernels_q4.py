@@ -47,6 +47,7 @@ from cpu_kernels import device_name, onednn_ops, read_bandwidth, write_results  
 from leapctl.quantize.config import ASYMMETRIC, SYMMETRIC  # noqa: E402
 from leapctl.quantize.rtn import round_to_grid, search_asymmetric  # noqa: E402
 from serving import cpu_kernel  # noqa: E402
+from serving.q4_linear import pruned_at_zero_by_default  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
 
 LAYERS = {  # model -> {projection: [n, k]}
@@ -85,10 +86,7 @@ def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed:
         count = max(2, math.ceil(rotate / nbytes(parts)))
         return [tuple(None if t is None else t.clone() for t in parts) for _ in range(count)]
 
-    pairs, served_at_zero = (
-        {},
-        zeros is not None and cpu_kernel.current_isa() == "avx2",
-    )  # as Q4Weight.pairs()
+    pairs, served_at_zero = {}, pruned_at_zero_by_default(zeros is not None)
     if group % 64 == 0 and cpu_kernel.int8_kernel_available():  # the int8 op needs 64-column groups
         layouts = {"q4-int8": served_at_zero}
         if zeros is not None:

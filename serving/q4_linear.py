@@ -58,6 +58,14 @@ def _bitmap_q4_linear_fake(x, bitmap, codes, scales, row_offsets, n_cols, bias=N
     return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
 
+def pruned_at_zero_by_default(asymmetric: bool) -> bool:
+    """Whether the int8-x op's pair layout holds every column, each pruned one at its group's zero point: on
+    the asymmetric grid where the op runs its AVX2 kernels, which have no byte expand and read those codes in
+    a third of the instructions that placing the kept ones takes (bitmap_q4_i8_avx2.cpp; 1.72x as fast on
+    the Llama-3.2-1B shape from DRAM, bench/results/cpu_kernels_q4_llama1b_zen3.md)."""
+    return asymmetric and cpu_kernel.current_isa() == "avx2"
+
+
 @dataclass
 class Q4Weight:
     """A [rows, n_cols] bitmap-q4 weight with the slicing tensor parallelism needs: row ranges for
@@ -147,11 +155,9 @@ class Q4Weight:
     def pairs(self, pruned_at_zero: bool | None = None) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups).
         `pruned_at_zero` (the asymmetric grid only): every column a code, a pruned one its group's zero
-        point (the value 0). None: where the op runs its AVX2 kernels, which have no byte expand and read
-        those codes in a third of the instructions that placing the kept ones takes
-        (bitmap_q4_i8_avx2.cpp)."""
+        point (the value 0). None: `pruned_at_zero_by_default`."""
         if pruned_at_zero is None:
-            pruned_at_zero = self.zeros is not None and cpu_kernel.current_isa() == "avx2"
+            pruned_at_zero = pruned_at_zero_by_default(self.zeros is not None)
         masks, codes, block_offsets, scales, zeros = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
             self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros, pruned_at_zero)
         return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols, zeros, pruned_at_zero)

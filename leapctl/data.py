@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from leapctl.errors import LeapctlError
-from leapctl.paths import cache_dir
+from leapctl.paths import cache_dir, write_text_atomically
 
 GENERATED = "generated"
 WIKI_SUMMARIES = "wiki-summaries"
@@ -162,9 +162,7 @@ def wiki_summaries_heldout_file() -> Path:
     """The held-apart summaries as one text file (blank line between summaries), for `eval --ppl`."""
     path = cache_dir() / "data" / "wiki-summaries" / "heldout.txt"
     if not path.is_file():
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomically(path, "\n\n".join(load_documents(WIKI_SUMMARIES_HELDOUT)) + "\n")
     return path
 
 

@@ -1,6 +1,7 @@
 """Where leapctl keeps converted models and downloaded text, and where the shared test assets are."""
 
 import os
+import uuid
 from pathlib import Path
 
 
@@ -9,6 +10,20 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("LEAPCTL_CACHE", Path.home() / ".cache" / "leapctl")).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write beside the target under a name of this call's own, then rename: an interrupted write leaves no
+    half-written file, and processes writing the same file at once (two tests, two users of one cache)
+    cannot interleave."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def assets_dir() -> Path | None:

@@ -2,10 +2,10 @@
 `run(EvalConfig(...))` returns the results; `leapctl.eval` has the measurements themselves."""
 
 import json
-import os
 from pathlib import Path
 
 from leapctl.eval.config import EvalConfig
+from leapctl.paths import write_text_atomically
 
 NAME = "eval"
 HELP = ("Perplexity (non-overlapping windows, as the pruning papers measure WikiText-2) and zero-shot "
@@ -30,16 +30,8 @@ def run(config: EvalConfig) -> dict:
                               tasks_dir=config.tasks_dir, device=str(device), dtype=dtype,
                               batch_size=config.batch_size, progress=config.progress)
     if config.json_out is not None:
-        _write_json_atomically(config.json_out, results)
+        write_text_atomically(config.json_out, json.dumps(results, indent=2) + "\n")
     return results
-
-
-def _write_json_atomically(path: Path, results: dict) -> None:
-    """Write beside the target and rename, so an interrupted run leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(partial, path)
 
 
 def main(config: EvalConfig) -> int:

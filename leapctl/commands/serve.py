@@ -104,7 +104,7 @@ def head_size(config: dict) -> int:
 def cpu_attention_head_sizes() -> list[int] | None:
     """The head sizes vLLM's CPU attention supports, asked of the installed vLLM once per version (in a
     subprocess: importing vLLM takes seconds and prints) and cached; None when it cannot be told."""
-    from leapctl.paths import cache_dir
+    from leapctl.paths import cache_dir, write_text_atomically
 
     version = _vllm_version()
     if version is None:
@@ -118,7 +118,7 @@ def cpu_attention_head_sizes() -> list[int] | None:
     if done.returncode != 0:
         return None
     sizes = json.loads(done.stdout.strip().splitlines()[-1])
-    cached.write_text(json.dumps(sizes))
+    write_text_atomically(cached, json.dumps(sizes))
     return sizes
 
 

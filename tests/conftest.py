@@ -1,6 +1,7 @@
 """Shared fixtures: the real stories260K model from ../shared/assets and tiny random models."""
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,13 @@ def require_asset(relative: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return ASSETS / relative
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most slow (end-to-end) tests first, each file's tests in their order: `make test`'s two
+    workers take whole files as they free up, so the long files must not be the last ones handed out."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests stay together and in order
 
 
 @pytest.fixture

@@ -251,7 +251,9 @@ def _sharded_hard_masks(rank: int, world: int, port: int, logits: dict, density:
     try:
         shards = {name: p.chunk(world, dim=0)[rank] for name, p in logits.items()}  # FSDP2's dim-0 shards
         keep = hard_masks(shards, density, mode, group=dist.group.WORLD)
-        out.put((rank, {name: k.clone() for name, k in keep.items()}))
+        # numpy arrays travel by value; a tensor would travel as a shared-memory handle that its sender must
+        # still hold when the receiver opens it, and this process may have exited by then (a loaded machine)
+        out.put((rank, {name: k.numpy() for name, k in keep.items()}))
     finally:
         dist.destroy_process_group()
 
@@ -280,7 +282,8 @@ def test_hard_masks_over_row_shards_equal_the_one_process_masks(mode):
         process.join(timeout=60)
         assert process.exitcode == 0
     for name in logits:
-        assert torch.equal(torch.cat([results[0][name], results[1][name]]), expected[name]), name
+        shards = [torch.from_numpy(results[rank][name]) for rank in (0, 1)]
+        assert torch.equal(torch.cat(shards), expected[name]), name
 
 
 def test_gradients_are_clipped_to_max_grad_norm_and_the_norm_is_reported():

@@ -29,8 +29,8 @@ demo: cpu-kernel
 # Two pytest workers (pytest-xdist), each taking whole test files so that a file's module fixtures (a vLLM server,
 # a quantized model) are made once, in the order tests/conftest.py gives (the files with the most slow tests
 # first, not xdist's most-tests-first): most of the suite's time is single-threaded (subprocesses importing vLLM
-# and transformers, tiny models), so on 2 cores it ran in 25.6 min against 37 in one process (Zen 3, with xdist's
-# own order). TEST_WORKERS=0 runs it in one process.
+# and transformers, tiny models), so on 2 cores (Zen 3) it ran in 22.8 min against 37 in one process (25.6 in
+# xdist's own order). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

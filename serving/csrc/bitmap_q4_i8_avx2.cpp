@@ -197,9 +197,9 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
     }
   }
   for (int m = 0; m < M; ++m) {
+    float lanes[R];
+    _mm_storeu_ps(lanes, acc[m]);
     for (int r = 0; r < real; ++r) {
-      float lanes[R];
-      _mm_storeu_ps(lanes, acc[m]);
       const float value = lanes[r] + (p.bias == nullptr ? 0.0f : p.bias[row0 + r]);
       if (p.dtype == DType::BF16) {
         store<DType::BF16>(p.y, (m0 + m) * p.y_stride + row0 + r, value);

@@ -13,13 +13,17 @@ def cache_dir() -> Path:
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    """Write beside the target under a name of this call's own, then rename: an interrupted write leaves no
-    half-written file, and processes writing the same file at once (two tests, two users of one cache)
-    cannot interleave."""
+    """Write beside the target under a name of this call's own, flush it to disk, then rename: an interrupted
+    write (or a power cut) leaves no half-written file, and processes writing the same file at once (two
+    tests, two users of one cache) cannot interleave. The temporary name, `.NAME.tmp-PID-XXXXXXXX`, is the
+    one leapctl's leftover checks know (`leapctl.outdir`, `leapctl.learn.state`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        partial.write_text(text, encoding="utf-8")
+        with open(partial, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -200,6 +200,29 @@ def test_a_live_processs_temporary_folder_is_left_alone(tmp_path):
     assert clear_leftovers(tmp_path / "out") == [] and alive.is_dir()
 
 
+def test_an_interrupted_text_write_keeps_the_old_file_and_a_temporary_name_learn_knows(tmp_path, monkeypatch):
+    """write_text_atomically (learn's checkpoint index and token count, eval's JSON, caches): a failure before
+    the rename keeps the old text and removes its temporary file, whose name learn's state folder accepts as
+    its own leftover (a SIGKILL at that point must not make the folder look foreign to the next run)."""
+    from leapctl.learn.state import _written_by_learn
+    from leapctl.paths import write_text_atomically
+
+    target = tmp_path / "checkpoint.json"
+    write_text_atomically(target, "old")
+    seen = []
+
+    def failing_replace(src, dst):
+        seen.append(Path(src))
+        assert Path(src).read_text() == "new"  # complete before the rename
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("leapctl.paths.os.replace", failing_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        write_text_atomically(target, "new")
+    assert target.read_text() == "old" and hidden_leftovers(tmp_path) == []
+    assert seen[0].parent == tmp_path and _written_by_learn(seen[0])
+
+
 def _assert_old_or_complete_new(out: Path, old: dict[str, bytes], check_new) -> None:
     now = snapshot(out)
     if now != old:

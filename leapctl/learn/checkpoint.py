@@ -12,7 +12,6 @@ the mask noise needs no state (a pure function of seed, step, micro-batch and la
 
 import base64
 import json
-import os
 import random
 import shutil
 import warnings
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from leapctl.errors import LeapctlError
+from leapctl.paths import write_text_atomically
 
 CHECKPOINT_INDEX = "checkpoint.json"
 FOLDER_PREFIX = "ckpt-"
@@ -84,12 +84,7 @@ def save_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], meta: dic
     _barrier(distributed)
     index = directory / CHECKPOINT_INDEX
     if master:
-        tmp = directory / f".{CHECKPOINT_INDEX}.tmp-{os.getpid()}"
-        with open(tmp, "w") as handle:
-            json.dump({**meta, "folder": name}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, index)
+        write_text_atomically(index, json.dumps({**meta, "folder": name}))
         for old in directory.glob(f"{FOLDER_PREFIX}*"):
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from leapctl.errors import LeapctlError
+from leapctl.paths import write_text_atomically
 
 TOKENS_FILE = "tokens.u32"
 TOKENS_INFO = "tokens.json"
@@ -38,7 +39,8 @@ def write_token_file(directory: Path, ids: torch.Tensor | np.ndarray) -> Path:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    (directory / TOKENS_INFO).write_text(json.dumps({"tokens": int(array.size), "dtype": "uint32"}) + "\n")
+    info = json.dumps({"tokens": int(array.size), "dtype": "uint32"}) + "\n"
+    write_text_atomically(directory / TOKENS_INFO, info)
     return path
 
 

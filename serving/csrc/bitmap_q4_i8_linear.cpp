@@ -46,6 +46,25 @@ namespace {
 // Measured at M = 400 (bench/prefill_q4.py): the int8 kernel 0.57-0.59x the tiles' time per layer.
 std::atomic<bool> g_prefill_int8{true};
 
+// x as int8 for a decoding step (at most kPairMaxM rows): its codes, scales and group sums, in buffers each
+// thread keeps between calls. A decoding step calls the op once per linear (~120 times on SmolLM2-135M), and
+// three at::empty a call were ~0.4 ms of a 16-20 ms step on a Zen 3 EPYC (vLLM's profiler: 526 at::empty a
+// step, 488 of them this op's). Only decoding sizes are kept: a prefill's x is allocated per call.
+struct DecodeScratch {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> starts;
+
+  Q8Rows rows(int64_t m, int64_t cols, int64_t groups) {
+    if (static_cast<int64_t>(values.size()) < m * cols) values.resize(m * cols);
+    if (static_cast<int64_t>(scales.size()) < m * groups) {
+      scales.resize(m * groups);
+      starts.resize(m * groups);
+    }
+    return Q8Rows{values.data(), scales.data(), groups};
+  }
+};
+
 std::string prefill_op(std::string mode) {
   TORCH_CHECK(mode.empty() || mode == "int8" || mode == "tiles",
               "leap_sparse_cpu::bitmap_q4_i8_prefill: use \"int8\" or \"tiles\", not ", mode);
@@ -263,24 +282,33 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
 
   if (m <= kPairMaxM || (!avx512 && g_prefill_int8.load())) {
-    const at::Tensor values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
-    const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
-    const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
+    thread_local DecodeScratch scratch;
+    at::Tensor values, x_scales, starts;  // a prefill's (the AVX2 kernels' int8 prefill)
+    Q8Rows q8{};
+    int32_t* group_starts = nullptr;
+    if (m <= kPairMaxM) {
+      q8 = scratch.rows(m, n_cols, p.groups);
+      group_starts = scratch.starts.data();
+    } else {
+      values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
+      x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
+      starts = at::empty({m, p.groups}, x.options().dtype(at::kInt));
+      q8 = Q8Rows{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
+      group_starts = starts.data_ptr<int32_t>();
+    }
     (avx512 ? quantize_x_avx512 : quantize_x_avx2)(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols,
                                                     n_cols / p.groups, q8);
     p.x_values = q8.values;
     p.x_scales = q8.scales;
     // The asymmetric grid's zero points' term needs each group's sum of q (the kernels fold it per row and group);
     // the AVX2 kernel's pruned columns' term needs it on either grid.
-    const bool sums = asym || !avx512;
-    const at::Tensor starts = at::empty({sums ? m : 0, p.groups}, x.options().dtype(at::kInt));
-    if (sums) {
+    if (asym || !avx512) {
       if (avx512) {
-        q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>(), true);
+        q8_group_starts_avx512(q8, m, n_cols, group_starts, true);
       } else {
-        q8_group_starts_avx2(q8, m, n_cols, starts.data_ptr<int32_t>());
+        q8_group_starts_avx2(q8, m, n_cols, group_starts);
       }
-      p.x_starts = starts.data_ptr<int32_t>();
+      p.x_starts = group_starts;
     }
     const auto gemm = avx512 ? q4_pairs_gemm_blocks_avx512 : q4_pairs_gemm_blocks_avx2;
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { gemm(p, begin, end); });

@@ -32,6 +32,14 @@ to the first token of three distinct 400-token prompts with one client, median. 
 OUT.json and OUT.md with the load average before and after, and for leapctl servers the MiB of the worker on
 huge pages (its load line).
 
+With --interleave N, only the one-sequence decode, measured another way: every server of a model is started
+at once (idle, a vLLM server takes ~1% of a core, llama.cpp's none), then N rounds each measure every server
+once (3 whole and 3 one-token completions each, the order rotated every round). On a shared 2-core machine
+one server's rate moved from 39 to 57 tok/s within minutes (seventeenth session; the same server, nothing
+changed), which made ratios of servers measured minutes apart swing by a third; here each round's ratio to
+llama.cpp Q4_0 is of two measurements seconds apart, and the result gives every round's figures, their
+medians and the median of the rounds' ratios.
+
 With --profile, each vLLM server (stock or leapctl) then serves one more 1-client request under vLLM's torch
 profiler (`/start_profile`), and the result lists the step's time and the ops that take most of it by
 their own time (children excluded) per step: the sparse op, the compiled graph's Python wrapper, vLLM's
@@ -45,6 +53,7 @@ import re
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -253,6 +262,66 @@ def measure(model: str, name: str, kind: str, command_for, env, args, texts: lis
                 "huge_pages_mib": int(pages.group(1)) if pages else None, "profile": profile}
 
 
+def interleaved(servers: dict, args, texts: list) -> dict:
+    """Every server at once, then `args.interleave` rounds of the one-sequence decode of each (order rotated
+    per round, each call on prompts no earlier call of that server saw): per server its rates, their median
+    and, against llama.cpp-q4_0, each round's ratio and their median."""
+    rates, running = {}, {}
+    with ExitStack() as stack:
+        for name, (kind, command_for, env) in servers.items():
+            port, log = free_port(), args.work / f"{name}.log"
+            print(f"starting {name} (log {log})", flush=True)
+            server = Server(command_for(port), log, port, health="/v1/models", env=env)
+            try:
+                stack.enter_context(server.running())
+            except LeapctlError as exc:
+                print(f"  {name}: not served: {failure(log, exc)}", flush=True)
+                rates[name] = {"failed": failure(log, exc)}
+                continue
+            stream(server, request_body(kind, texts[-1], 4))  # warm-up
+            running[name] = (server, kind)
+        names = list(running)
+        got = {name: [] for name in names}
+        for r in range(args.interleave):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                server, kind = running[name]
+                first = 2 * args.rounds * r
+                got[name].append(one_stream_decode(server, kind, texts[first:], args.rounds, args.max_tokens))
+            print(f"  round {r + 1}/{args.interleave}: "
+                  + ", ".join(f"{name} {got[name][-1]:.1f}" for name in names), flush=True)
+    reference = got.get("llama.cpp-q4_0")
+    for name in names:
+        rates[name] = {"tok_s": [round(x, 2) for x in got[name]],
+                       "median_tok_s": round(statistics.median(got[name]), 2)}
+        if reference:
+            ratios = [a / b for a, b in zip(got[name], reference, strict=True)]
+            rates[name] |= {"ratios": [round(x, 3) for x in ratios],
+                            "median_ratio": round(statistics.median(ratios), 3)}
+    return rates
+
+
+def interleaved_markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"One-sequence decode ({s['max_tokens']} tokens after a {s['prompt_tokens']}-token prompt, EOS "
+             f"ignored), every server of a model running at once and measured in turn, {s['interleave']} "
+             f"rounds of {s['rounds']} completions each, order rotated per round; {s['device']}; llama.cpp "
+             f"with {s['threads']} thread(s), vLLM's CPU worker bound to one core; load average (1 min) "
+             f"{result['load_before']:.2f} before, {result['load_after']:.2f} after.", ""]
+    for model, servers in result["models"].items():
+        lines += [f"### {model}", "", "| server | median tok/s | median of the rounds' x llama.cpp Q4_0 | "
+                  "lowest - highest round x | tok/s per round |", "| --- | --- | --- | --- | --- |"]
+        for name, got in servers.items():
+            if "failed" in got:
+                lines.append(f"| {name} | not served: {got['failed']} | | | |")
+                continue
+            span = (f"{min(got['ratios']):.2f} - {max(got['ratios']):.2f}" if "ratios" in got else "")
+            ratio = f"{got['median_ratio']:.2f}" if "median_ratio" in got else ""
+            lines.append(f"| {name} | {got['median_tok_s']:.1f} | {ratio} | {span} | "
+                         f"{' '.join(f'{x:.1f}' for x in got['tok_s'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def failure(log: Path, error: Exception) -> str:
     """Why a server never became ready: the first exception its log reports, else the launcher's error."""
     found = FIRST_ERROR.search(log.read_text(errors="replace")) if log.is_file() else None
@@ -322,6 +391,8 @@ def main() -> None:
                         help="of every leapctl server without its own -gN")
     parser.add_argument("--profile", action="store_true",
                         help="then one 1-client request under vLLM's torch profiler: where a step goes")
+    parser.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="only the one-sequence decode: every server at once, N rounds of each in turn")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serve_q4"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -333,7 +404,7 @@ def main() -> None:
         dense = dense_model(model, args.work)
         servers = commands(model, dense, args.work, args)
         # one stream of held-out text cut into distinct prompts: no server can serve a prefix from its cache
-        count = max(max(args.clients) * args.rounds, 2 * args.rounds + 1)
+        count = max(max(args.clients) * args.rounds, 2 * args.rounds * max(1, args.interleave) + 1)
         ids = prompts(dense, 1, count * args.prompt_tokens + 3 * args.prefill_tokens)[0]
         tokenizer = AutoTokenizer.from_pretrained(dense)
         cut = [ids[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(count)]
@@ -341,6 +412,9 @@ def main() -> None:
         cut_long = [rest[i * args.prefill_tokens:(i + 1) * args.prefill_tokens] for i in range(3)]
         texts = [(p, tokenizer.decode(p)) for p in cut]
         long_prompts = [(p, tokenizer.decode(p)) for p in cut_long]
+        if args.interleave:
+            results[model] = interleaved(servers, args, texts)
+            continue
         results[model] = {}
         for name, (kind, command_for, env) in servers.items():
             try:
@@ -351,7 +425,7 @@ def main() -> None:
                 results[model][name] = {"failed": reason}
     result = {"settings": settings(args), "load_before": load_before, "load_after": os.getloadavg()[0],
               "models": results}
-    write_result(Path(args.out), result, markdown(result))
+    write_result(Path(args.out), result, (interleaved_markdown if args.interleave else markdown)(result))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -88,14 +89,24 @@ def load_kernel(tree: Path):
     return module
 
 
-def encoded(n: int, k: int, sparsity: float, seed: int) -> dict[str, torch.Tensor]:
-    """A random [n, k] weight on the asymmetric grid, exactly `sparsity` pruned in every row, as bitmap-q4."""
-    gen = torch.Generator().manual_seed(seed)
+def encoded(n: int, k: int, sparsity: float) -> dict[str, torch.Tensor]:
+    """A random [n, k] weight on the asymmetric grid, exactly `sparsity` pruned in every row, as bitmap-q4;
+    made once (the grid search takes a minute on the 1B shape's largest layers) into the cache, where every
+    round of every build reads the same file."""
+    path = cache_dir() / "bench" / "ab_weights" / f"{n}x{k}-{sparsity}-g{GROUP}.safetensors"
+    if path.is_file():
+        return load_file(path)
+    gen = torch.Generator().manual_seed(n * 31 + k)
     weight = torch.randn(n, k, generator=gen)
     mask = torch.rand(n, k, generator=gen).argsort(dim=1) >= round(k * sparsity)
     scales, zeros = search_asymmetric(weight, mask, GROUP)
     grid = round_to_grid(weight, scales, zeros)
-    return get_format("bitmap-q4").encode(grid, mask, scales=scales, zeros=zeros)
+    tensors = get_format("bitmap-q4").encode(grid, mask, scales=scales, zeros=zeros)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({name: t.contiguous() for name, t in tensors.items()}, partial)
+    partial.replace(path)
+    return tensors
 
 
 def child(args) -> None:
@@ -109,7 +120,7 @@ def child(args) -> None:
         for layer in args.layers:
             n, k = LAYERS[model][layer]
             for sparsity in args.sparsities:
-                q4 = encoded(n, k, sparsity, seed=n * 31 + k)
+                q4 = encoded(n, k, sparsity)
                 dense = get_format("bitmap-q4").decode(q4)
                 stored = (q4["bitmap"], q4["codes"], q4["scales"], q4["row_offsets"])
                 for layout in args.layouts:
@@ -187,6 +198,10 @@ def main() -> None:
     if args.base is None:
         parser.error("--base is required")
     trees = {"base": tree_of(args.base), "head": tree_of(args.head)}
+    for model in args.models:  # the weights, once, before any round
+        for layer in args.layers:
+            for sparsity in args.sparsities:
+                encoded(*LAYERS[model][layer], sparsity)
     rounds = []
     for i in range(args.rounds):
         order = list(trees) if i % 2 == 0 else list(reversed(trees))

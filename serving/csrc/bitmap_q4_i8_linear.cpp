@@ -46,22 +46,34 @@ namespace {
 // Measured at M = 400 (bench/prefill_q4.py): the int8 kernel 0.57-0.59x the tiles' time per layer.
 std::atomic<bool> g_prefill_int8{true};
 
-// x as int8 for a decoding step (at most kPairMaxM rows): its codes, scales and group sums, in buffers each
-// thread keeps between calls. A decoding step calls the op once per linear (~120 times on SmolLM2-135M), and
-// three at::empty a call were ~0.4 ms of a 16-20 ms step on a Zen 3 EPYC (vLLM's profiler: 526 at::empty a
-// step, 488 of them this op's). Only decoding sizes are kept: a prefill's x is allocated per call.
-struct DecodeScratch {
-  std::vector<int8_t> values;
-  std::vector<float> scales;
-  std::vector<int32_t> starts;
+// x as int8 (Q8Rows) and its group sums for one call. A decoding step (at most kPairMaxM rows) uses buffers
+// each thread keeps between calls: a step calls the op once per linear (~120 times on SmolLM2-135M), and three
+// at::empty a call were ~0.4 ms of a 16-20 ms step on a Zen 3 EPYC (vLLM's profiler: 526 at::empty a step,
+// 366 of them this op's). A prefill's x gets tensors of its own, freed with the call.
+struct Int8X {
+  Q8Rows q8;
+  int32_t* starts;     // [m, groups]
+  at::Tensor held[3];  // a prefill's storage
 
-  Q8Rows rows(int64_t m, int64_t cols, int64_t groups) {
-    if (static_cast<int64_t>(values.size()) < m * cols) values.resize(m * cols);
-    if (static_cast<int64_t>(scales.size()) < m * groups) {
-      scales.resize(m * groups);
-      starts.resize(m * groups);
+  Int8X(int64_t m, int64_t cols, int64_t groups, const at::TensorOptions& options) {
+    if (m <= kPairMaxM) {
+      thread_local std::vector<int8_t> values;
+      thread_local std::vector<float> scales;
+      thread_local std::vector<int32_t> sums;
+      if (static_cast<int64_t>(values.size()) < m * cols) values.resize(m * cols);
+      if (static_cast<int64_t>(scales.size()) < m * groups) {
+        scales.resize(m * groups);
+        sums.resize(m * groups);
+      }
+      q8 = Q8Rows{values.data(), scales.data(), groups};
+      starts = sums.data();
+      return;
     }
-    return Q8Rows{values.data(), scales.data(), groups};
+    held[0] = at::empty({m, cols}, options.dtype(at::kChar));
+    held[1] = at::empty({m, groups}, options.dtype(at::kFloat));
+    held[2] = at::empty({m, groups}, options.dtype(at::kInt));
+    q8 = Q8Rows{held[0].data_ptr<int8_t>(), held[1].data_ptr<float>(), groups};
+    starts = held[2].data_ptr<int32_t>();
   }
 };
 
@@ -282,20 +294,8 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
 
   if (m <= kPairMaxM || (!avx512 && g_prefill_int8.load())) {
-    thread_local DecodeScratch scratch;
-    at::Tensor values, x_scales, starts;  // a prefill's (the AVX2 kernels' int8 prefill)
-    Q8Rows q8{};
-    int32_t* group_starts = nullptr;
-    if (m <= kPairMaxM) {
-      q8 = scratch.rows(m, n_cols, p.groups);
-      group_starts = scratch.starts.data();
-    } else {
-      values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
-      x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
-      starts = at::empty({m, p.groups}, x.options().dtype(at::kInt));
-      q8 = Q8Rows{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
-      group_starts = starts.data_ptr<int32_t>();
-    }
+    const Int8X xq(m, n_cols, p.groups, x.options());
+    const Q8Rows& q8 = xq.q8;
     (avx512 ? quantize_x_avx512 : quantize_x_avx2)(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols,
                                                     n_cols / p.groups, q8);
     p.x_values = q8.values;
@@ -304,11 +304,11 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
     // the AVX2 kernel's pruned columns' term needs it on either grid.
     if (asym || !avx512) {
       if (avx512) {
-        q8_group_starts_avx512(q8, m, n_cols, group_starts, true);
+        q8_group_starts_avx512(q8, m, n_cols, xq.starts, true);
       } else {
-        q8_group_starts_avx2(q8, m, n_cols, group_starts);
+        q8_group_starts_avx2(q8, m, n_cols, xq.starts);
       }
-      p.x_starts = group_starts;
+      p.x_starts = xq.starts;
     }
     const auto gemm = avx512 ? q4_pairs_gemm_blocks_avx512 : q4_pairs_gemm_blocks_avx2;
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { gemm(p, begin, end); });
@@ -317,17 +317,15 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
 
   if (g_prefill_int8.load()) {
     // Prefill with int8 x: x quantized once, W decoded panel by panel into the int8 kernel's layout.
-    const at::Tensor values = at::empty({m, n_cols}, x.options().dtype(at::kChar));
-    const at::Tensor x_scales = at::empty({m, p.groups}, x.options().dtype(at::kFloat));
-    const at::Tensor starts = at::empty({m, p.groups}, x.options().dtype(at::kInt));
-    const Q8Rows q8{values.data_ptr<int8_t>(), x_scales.data_ptr<float>(), p.groups};
+    const Int8X xq(m, n_cols, p.groups, x.options());
+    const Q8Rows& q8 = xq.q8;
     quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
-    q8_group_starts_avx512(q8, m, n_cols, starts.data_ptr<int32_t>(), asym);
+    q8_group_starts_avx512(q8, m, n_cols, xq.starts, asym);
     p.x_values = q8.values;
     p.x_scales = q8.scales;
     const int64_t panels = (rows + kPrefillPanelRows - 1) / kPrefillPanelRows;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      q4_pairs_prefill_panels_avx512(p, starts.data_ptr<int32_t>(), begin, end);
+      q4_pairs_prefill_panels_avx512(p, xq.starts, begin, end);
     });
     return y;
   }

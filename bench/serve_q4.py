@@ -230,12 +230,16 @@ def one_stream_decode(server: Server, kind: str, texts: list, rounds: int, max_t
     return (max_tokens - 1) / (statistics.median(whole) - statistics.median(first))
 
 
+def new_server(name: str, command_for, env, work: Path) -> Server:
+    """Server `name` on a free port, its log WORK/NAME.log (not started yet)."""
+    port, log = free_port(), work / f"{name}.log"
+    print(f"starting {name} (log {log})", flush=True)
+    return Server(command_for(port), log, port, health="/v1/models", env=env)
+
+
 def measure(model: str, name: str, kind: str, command_for, env, args, texts: list,
             long_prompts: list) -> dict:
-    port = free_port()
-    log = args.work / f"{name}.log"
-    print(f"starting {name} (log {log})", flush=True)
-    server = Server(command_for(port), log, port, health="/v1/models", env=env)
+    server = new_server(name, command_for, env, args.work)
     started = time.monotonic()
     with server.running():
         start_s = time.monotonic() - started
@@ -256,7 +260,7 @@ def measure(model: str, name: str, kind: str, command_for, env, args, texts: lis
                 server, request_body(kind, texts[0], args.max_tokens)), folder))
             print(f"  {name}: profiled step {profile['step_ms']} ms: {profile['ops']}", flush=True)
         time.sleep(1.5)
-        pages = HUGE_PAGES_NOTE.search(log.read_text(errors="replace"))
+        pages = HUGE_PAGES_NOTE.search(server.log.read_text(errors="replace"))
         return {"start_s": round(start_s, 1), "decode_tok_s": round(decode, 2), "phases": phases,
                 "prefill_s": round(prefill_s, 3), "peak_rss_mib": round(server.peak_rss / 2**20),
                 "huge_pages_mib": int(pages.group(1)) if pages else None, "profile": profile}
@@ -269,14 +273,12 @@ def interleaved(servers: dict, args, texts: list) -> dict:
     rates, running = {}, {}
     with ExitStack() as stack:
         for name, (kind, command_for, env) in servers.items():
-            port, log = free_port(), args.work / f"{name}.log"
-            print(f"starting {name} (log {log})", flush=True)
-            server = Server(command_for(port), log, port, health="/v1/models", env=env)
+            server = new_server(name, command_for, env, args.work)
             try:
                 stack.enter_context(server.running())
             except LeapctlError as exc:
-                print(f"  {name}: not served: {failure(log, exc)}", flush=True)
-                rates[name] = {"failed": failure(log, exc)}
+                rates[name] = {"failed": failure(server.log, exc)}
+                print(f"  {name}: not served: {rates[name]['failed']}", flush=True)
                 continue
             stream(server, request_body(kind, texts[-1], 4))  # warm-up
             running[name] = (server, kind)
@@ -304,9 +306,8 @@ def interleaved_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"One-sequence decode ({s['max_tokens']} tokens after a {s['prompt_tokens']}-token prompt, EOS "
              f"ignored), every server of a model running at once and measured in turn, {s['interleave']} "
-             f"rounds of {s['rounds']} completions each, order rotated per round; {s['device']}; llama.cpp "
-             f"with {s['threads']} thread(s), vLLM's CPU worker bound to one core; load average (1 min) "
-             f"{result['load_before']:.2f} before, {result['load_after']:.2f} after.", ""]
+             f"rounds of {s['rounds']} completions each, order rotated per round; "
+             f"{machine_line(result)}.", ""]
     for model, servers in result["models"].items():
         lines += [f"### {model}", "", "| server | median tok/s | median of the rounds' x llama.cpp Q4_0 | "
                   "lowest - highest round x | tok/s per round |", "| --- | --- | --- | --- | --- |"]
@@ -339,13 +340,18 @@ def step_profile(rows: dict[str, dict], step: dict, top: int = 8) -> dict:
                            "calls": round(row["calls"] / steps, 1)} for name, row in ops}}
 
 
+def machine_line(result: dict) -> str:
+    """The device, the thread counts and the load around the run, as both tables state them."""
+    s = result["settings"]
+    return (f"{s['device']}; llama.cpp with {s['threads']} thread(s), vLLM's CPU worker bound to one core; "
+            f"load average (1 min) {result['load_before']:.2f} before, {result['load_after']:.2f} after")
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"Decode of one sequence and of 8 clients ({s['max_tokens']} tokens after a "
              f"{s['prompt_tokens']}-token prompt, EOS ignored, {s['rounds']} requests per client) and "
-             f"prefill of {s['prefill_tokens']} tokens; {s['device']}; llama.cpp with {s['threads']} "
-             f"thread(s), vLLM's CPU worker bound to one core; load average (1 min) "
-             f"{result['load_before']:.2f} before, {result['load_after']:.2f} after. One run.", ""]
+             f"prefill of {s['prefill_tokens']} tokens; {machine_line(result)}. One run.", ""]
     for model, servers in result["models"].items():
         reference = servers.get("llama.cpp-q4_0")
         reference = None if reference is None or "failed" in reference else reference

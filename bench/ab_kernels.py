@@ -45,10 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cpu_kernels_q4 import LAYERS  # noqa: E402
+from cpu_kernels_q4 import LAYERS, random_q4  # noqa: E402
 
 from leapctl.paths import cache_dir  # noqa: E402
-from leapctl.quantize.rtn import round_to_grid, search_asymmetric  # noqa: E402
+from leapctl.quantize.config import ASYMMETRIC  # noqa: E402
 from sparse_formats import get_format  # noqa: E402
 
 GROUP = 64  # the int8 op's group size
@@ -96,12 +96,7 @@ def encoded(n: int, k: int, sparsity: float) -> dict[str, torch.Tensor]:
     path = cache_dir() / "bench" / "ab_weights" / f"{n}x{k}-{sparsity}-g{GROUP}.safetensors"
     if path.is_file():
         return load_file(path)
-    gen = torch.Generator().manual_seed(n * 31 + k)
-    weight = torch.randn(n, k, generator=gen)
-    mask = torch.rand(n, k, generator=gen).argsort(dim=1) >= round(k * sparsity)
-    scales, zeros = search_asymmetric(weight, mask, GROUP)
-    grid = round_to_grid(weight, scales, zeros)
-    tensors = get_format("bitmap-q4").encode(grid, mask, scales=scales, zeros=zeros)
+    tensors, _ = random_q4(n, k, sparsity, GROUP, seed=n * 31 + k, grid=ASYMMETRIC)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({name: t.contiguous() for name, t in tensors.items()}, partial)

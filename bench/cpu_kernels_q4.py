@@ -61,21 +61,27 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed: int, grid: str):
-    """Copies (separate memory, equal contents) of the dense bf16 weight, its bitmap encoding, its bitmap-q4
-    encoding on `grid` (bitmap, codes, scales, row offsets, zero points or None) and the int8 op's pair
-    layouts ({"q4-int8": the one `Q4Weight.pairs()` picks on this CPU, "q4-int8-other": the asymmetric
-    grid's other one}) with the served one's name (dense: every column a code, pruned ones at their zero
-    point; sparse: the kept ones' codes and masks), each op's copies holding at least `rotate` bytes."""
+def random_q4(n: int, k: int, sparsity: float, group: int, seed: int, grid: str):
+    """A random [n, k] weight, exactly `sparsity` of every row pruned (as Wanda's masks are), encoded as
+    bitmap-q4 on `grid` in groups of `group` columns: (the format's tensors, the mask)."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
     mask = torch.rand(n, k, generator=gen).argsort(dim=1) >= round(k * sparsity)  # exact per row
     fmt = get_format("bitmap-q4")
     if grid == ASYMMETRIC:
         scales, zeros = search_asymmetric(weight, mask, group)
-        q4 = fmt.encode(round_to_grid(weight, scales, zeros), mask, scales=scales, zeros=zeros)
-    else:
-        q4 = fmt.encode(weight, mask, group_size=group)
+        return fmt.encode(round_to_grid(weight, scales, zeros), mask, scales=scales, zeros=zeros), mask
+    return fmt.encode(weight, mask, group_size=group), mask
+
+
+def make_weights(n: int, k: int, sparsity: float, group: int, rotate: int, seed: int, grid: str):
+    """Copies (separate memory, equal contents) of the dense bf16 weight, its bitmap encoding, its bitmap-q4
+    encoding on `grid` (bitmap, codes, scales, row offsets, zero points or None) and the int8 op's pair
+    layouts ({"q4-int8": the one `Q4Weight.pairs()` picks on this CPU, "q4-int8-other": the asymmetric
+    grid's other one}) with the served one's name (dense: every column a code, pruned ones at their zero
+    point; sparse: the kept ones' codes and masks), each op's copies holding at least `rotate` bytes."""
+    q4, mask = random_q4(n, k, sparsity, group, seed, grid)
+    fmt = get_format("bitmap-q4")
     zeros = q4.get("zeros")  # as stored: two 4-bit zero points a byte
     q4_parts = (q4["bitmap"], q4["codes"], q4["scales"], q4["row_offsets"], zeros)
     dense = fmt.decode(q4).to(torch.bfloat16)  # the same weights for every op

@@ -150,7 +150,12 @@ def run_round(tree: Path, args) -> list[dict]:
                *map(str, args.sparsities), "--layouts", *args.layouts, "--tokens", *map(str, args.tokens)]
     if args.core is not None:
         command += ["--core", str(args.core)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    # Each other tree builds into a folder of its own: torch's build folder is named after the sources, and
+    # two trees with the same sources at two paths would otherwise rebuild it at every switch.
+    env = dict(os.environ)
+    if tree != ROOT:
+        env["TORCH_EXTENSIONS_DIR"] = str(tree / ".torch_extensions")
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"ab_kernels: the round of {tree} failed: "
                          f"{(done.stderr.strip().splitlines() or ['exit ' + str(done.returncode)])[-1]}")

@@ -21,7 +21,8 @@
      rates was skewed by a request whose streamed chunks arrived together: 2.07x in one run, 1.32x in the
      next, with the same step time in the profile);
    - output_tok_s: all generated tokens / wall time of the whole client phase (prefill included);
-   - the server's memory: the largest sum of RSS (and PSS) over its process group seen while it ran.
+   - the server's memory: the largest sum of RSS (and PSS, sampled every 10 s) over its process group seen
+     while it ran.
 4. Asks both servers for the same greedy completions without ignore_eos and reports how many agree.
 5. With --profile, a last 1-client request runs under vLLM's torch profiler (`--profiler-config`, started
    and stopped through the server's /start_profile and /stop_profile), and the report splits the time
@@ -35,6 +36,7 @@ Writes OUT.json and OUT.md with the settings, the load average before and after,
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -97,12 +99,20 @@ def post(url: str, body: dict, timeout: float = 600):
 
 class Server:
     """A vLLM API server started, checked ready and stopped by `leapctl serve`'s own launcher
-    (`running_command`: its own process group), its log in a file, its memory sampled while it runs."""
+    (`running_command`: its own process group), its log in a file, its memory sampled while it runs.
+
+    The sampler must not cost the server it measures: RSS comes from /proc/PID/statm (~0.1 ms a process), and
+    PSS, which needs the kernel to walk every page table of the process (psutil's memory_full_info parsed the
+    whole smaps: 38-180 ms for a vLLM worker holding the 1B shape, every second, for every server of an
+    interleaved run), only with `pss`, from smaps_rollup, every PSS_EVERY samples."""
+
+    PSS_EVERY = 10
 
     def __init__(self, command: list[str], log: Path, port: int, health: str = "/health",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, pss: bool = False) -> None:
         self.base, self.port, self.command, self.log = f"http://127.0.0.1:{port}", port, command, log
         self.health, self.env = health, env  # env: the server's whole environment (default server_env(1))
+        self.pss = pss
         self.process = None
         self.peak_rss = self.peak_pss = 0
         self._stop = threading.Event()
@@ -133,15 +143,36 @@ class Server:
         return found
 
     def _sample(self) -> None:
+        samples = 0
         while not self._stop.wait(1.0):
+            with_pss = self.pss and samples % self.PSS_EVERY == 0
             rss = pss = 0
             for process in self.group():
                 try:
-                    info = process.memory_full_info()
-                except psutil.Error:
+                    rss += process.memory_info().rss
+                    pss += proportional_set_size(process.pid) if with_pss else 0
+                except (psutil.Error, OSError):
                     continue
-                rss, pss = rss + info.rss, pss + info.pss
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.peak_rss = max(self.peak_rss, rss)
+            if with_pss:
+                self.peak_pss = max(self.peak_pss, pss)
+            samples += 1
+
+
+def stop_servers_on_sigterm() -> None:
+    """SIGTERM (kill, a CI's timeout) unwinds like Ctrl-C, so that every running server's process group is
+    stopped: by default Python dies without running the `with` blocks that own them, and the servers (4-5 GB
+    each) outlive the bench."""
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+
+
+def proportional_set_size(pid: int) -> int:
+    """Bytes of PSS of process `pid` (/proc/PID/smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def prompts(tokenizer_dir: Path, count: int, length: int) -> list[list[int]]:
@@ -307,7 +338,7 @@ def run_server(name: str, command_for, args, texts: list[list[int]], greedy: lis
         command += profiler_config(args.work / f"profile-{name}")
     log = args.work / f"{name}.log"
     print(f"starting {name}: {' '.join(command)} (log {log})", flush=True)
-    server = Server(command, log, port)
+    server = Server(command, log, port, pss=True)
     started = time.monotonic()
     with server.running():
         start_s = time.monotonic() - started
@@ -378,6 +409,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="wanda", choices=["magnitude", "wanda", "sparsegpt"])

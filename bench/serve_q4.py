@@ -70,6 +70,7 @@ from serve_cpu import (  # noqa: E402
     prompts,
     run_clients,
     settings,
+    stop_servers_on_sigterm,
     stream_events,
     write_result,
 )
@@ -381,6 +382,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b-shape"])
     parser.add_argument("--servers", nargs="+", default=list(SERVERS))

@@ -285,22 +285,64 @@ def interleaved(servers: dict, args, texts: list) -> dict:
             running[name] = (server, kind)
         names = list(running)
         got = {name: [] for name in names}
+        host = []  # per round: the slowest host read rate around its servers' measurements, GB/s
+        probe = HostReadProbe(args.probe_core)
         for r in range(args.interleave):
+            reads = []
             for name in names[r % len(names):] + names[:r % len(names)]:
                 server, kind = running[name]
                 first = 2 * args.rounds * r
+                before = probe.rate()
                 got[name].append(one_stream_decode(server, kind, texts[first:], args.rounds, args.max_tokens))
+                reads.append((before + probe.rate()) / 2)
+            host.append(min(reads) / 1e9)
             print(f"  round {r + 1}/{args.interleave}: "
-                  + ", ".join(f"{name} {got[name][-1]:.1f}" for name in names), flush=True)
+                  + ", ".join(f"{name} {got[name][-1]:.1f}" for name in names)
+                  + f"; host read {host[-1]:.1f} GB/s", flush=True)
     reference = got.get("llama.cpp-q4_0")
+    quiet = [r for r, rate in enumerate(host) if rate >= QUIET_SHARE * max(host)]
+    rates["host"] = {"read_gb_s": [round(x, 2) for x in host], "quiet_rounds": quiet}
     for name in names:
         rates[name] = {"tok_s": [round(x, 2) for x in got[name]],
                        "median_tok_s": round(statistics.median(got[name]), 2)}
         if reference:
             ratios = [a / b for a, b in zip(got[name], reference, strict=True)]
             rates[name] |= {"ratios": [round(x, 3) for x in ratios],
-                            "median_ratio": round(statistics.median(ratios), 3)}
+                            "median_ratio": round(statistics.median(ratios), 3),
+                            "median_ratio_quiet": round(statistics.median(ratios[r] for r in quiet), 3)}
     return rates
+
+
+# A round counts as quiet when the host read at least this share of the run's best rate around every server.
+QUIET_SHARE = 0.85
+
+
+class HostReadProbe:
+    """How fast the host lets one core read DRAM now: torch.sum over 512 MB (far beyond the L3) on the core
+    vLLM's worker is bound to, in a thread of this process pinned there for the read. It is what that core gets,
+    DRAM and time on the core alike: on the shared 2-core machine of the sixteenth to eighteenth sessions the
+    rate fell from ~20 to 6.7 GB/s within a minute while nothing of ours ran, and every server's tokens/s fell
+    with it; with three idle servers up it read 0.9-10 GB/s. Each round's figures come with it."""
+
+    def __init__(self, core: int) -> None:
+        import torch
+
+        self.core, self.buffer = core, torch.ones(128 << 20)
+
+    def rate(self) -> float:
+        """Bytes/s of one read (after pinning this thread for it; its affinity is restored)."""
+        import torch
+
+        old, threads = os.sched_getaffinity(0), torch.get_num_threads()
+        os.sched_setaffinity(0, {self.core})
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            self.buffer.sum()
+            return self.buffer.numel() * 4 / (time.perf_counter() - start)
+        finally:
+            os.sched_setaffinity(0, old)
+            torch.set_num_threads(threads)
 
 
 def interleaved_markdown(result: dict) -> str:
@@ -310,16 +352,29 @@ def interleaved_markdown(result: dict) -> str:
              f"rounds of {s['rounds']} completions each, order rotated per round; "
              f"{machine_line(result)}.", ""]
     for model, servers in result["models"].items():
+        host = servers.get("host")
+        quiet = f"x llama.cpp Q4_0, {len(host['quiet_rounds'])} quiet rounds | " if host else ""
         lines += [f"### {model}", "", "| server | median tok/s | median of the rounds' x llama.cpp Q4_0 | "
-                  "lowest - highest round x | tok/s per round |", "| --- | --- | --- | --- | --- |"]
+                  f"{quiet}lowest - highest round x | tok/s per round |",
+                  "| --- " * (5 + bool(host)) + "|"]
         for name, got in servers.items():
+            if name == "host":
+                continue
             if "failed" in got:
-                lines.append(f"| {name} | not served: {got['failed']} | | | |")
+                lines.append(f"| {name} | not served: {got['failed']} |" + " |" * (3 + bool(host)))
                 continue
             span = (f"{min(got['ratios']):.2f} - {max(got['ratios']):.2f}" if "ratios" in got else "")
             ratio = f"{got['median_ratio']:.2f}" if "median_ratio" in got else ""
-            lines.append(f"| {name} | {got['median_tok_s']:.1f} | {ratio} | {span} | "
+            quiet_ratio = (f"{got['median_ratio_quiet']:.2f} | " if "median_ratio_quiet" in got
+                           else " | " * bool(host))
+            lines.append(f"| {name} | {got['median_tok_s']:.1f} | {ratio} | {quiet_ratio}{span} | "
                          f"{' '.join(f'{x:.1f}' for x in got['tok_s'])} |")
+        if host:
+            reads = " ".join(f"{x:.1f}" for x in host["read_gb_s"])
+            quiet_rounds = " ".join(str(r + 1) for r in host["quiet_rounds"])
+            lines += ["", f"Host read rate per round (GB/s, one core, torch.sum over 512 MB, the slowest "
+                          f"around the round's servers): {reads}; quiet rounds (>= {QUIET_SHARE:.0%} of the "
+                          f"best): {quiet_rounds}."]
         lines.append("")
     return "\n".join(lines)
 
@@ -399,6 +454,8 @@ def main() -> None:
                         help="of every leapctl server without its own -gN")
     parser.add_argument("--profile", action="store_true",
                         help="then one 1-client request under vLLM's torch profiler: where a step goes")
+    parser.add_argument("--probe-core", type=int, default=0,
+                        help="with --interleave: the core the host read probe runs on (vLLM's worker's)")
     parser.add_argument("--interleave", type=int, default=0, metavar="N",
                         help="only the one-sequence decode: every server at once, N rounds of each in turn")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serve_q4"))

@@ -319,10 +319,11 @@ QUIET_SHARE = 0.85
 
 class HostReadProbe:
     """How fast the host lets one core read DRAM now: torch.sum over 512 MB (far beyond the L3) on the core
-    vLLM's worker is bound to, in a thread of this process pinned there for the read. It is what that core gets,
-    DRAM and time on the core alike: on the shared 2-core machine of the sixteenth to eighteenth sessions the
-    rate fell from ~20 to 6.7 GB/s within a minute while nothing of ours ran, and every server's tokens/s fell
-    with it; with three idle servers up it read 0.9-10 GB/s. Each round's figures come with it."""
+    vLLM's worker is bound to, in a thread of this process pinned there for the read. It is what that core
+    gets, DRAM and time on the core alike: on the shared 2-core machine of the sixteenth to eighteenth
+    sessions the rate fell from ~20 to 6.7 GB/s within a minute while nothing of ours ran, and every server's
+    tokens/s fell with it; with three idle servers up it read 0.9-10 GB/s. Each round's figures come with
+    it."""
 
     def __init__(self, core: int) -> None:
         import torch

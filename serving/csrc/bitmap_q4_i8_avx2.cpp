@@ -16,7 +16,7 @@
 // pruned (symmetric grid: level u - 15 = 2 * (code - 7.5)), or code where kept and the row's zero point where
 // pruned (asymmetric). vpmaddubsw multiplies u (unsigned, <= 30) with q (int8 x, |q| <= 127): pairs of products
 // in int16 (at most 2 * 30 * 127, and two of them added per pair: no saturation), vpmaddwd with ones widens
-// to 8 int32 lanes. Per group, the block's 4 rows at once: their lanes summed exactly (vphaddd), completed with
+// to 8 int32 lanes. Per group, the block's 4 rows at once: their lanes summed exactly (group_sums), completed with
 // fill * (-(the group's sum of q)) (the pruned columns' u * q taken out again and, where kept, the offset's),
 // and folded into one fp32 vector, lane per row, with one product: t * dot, t = 0.5 * s_w * s_x (symmetric) or
 // s_w * s_x. Row by row this epilogue cost as much as the group's 64 columns; four at a time, the 1B shape's
@@ -132,13 +132,34 @@ __attribute__((always_inline)) inline void expand_row(const uint8_t* src, bool h
   w[1] = _mm256_blendv_epi8(_mm256_shuffle_epi8(s23, c23), fill, c23);
 }
 
+// Four rows' dots as [r0 r1 r2 r3] in each 128-bit half (to be added), exactly. Several passes a group: int32
+// lanes, summed by three vphaddd. One pass: each row's int16 pairs of products, |lane| <= 2 * 2 * 30 * 127 =
+// 15240, so a vphaddw of two rows stays exact (<= 30480 < 2^15) and a second one too where u <= 15
+// (asymmetric: 2 * 2 * 2 * 15 * 127); one vpmaddwd then widens the four rows together instead of a vpmaddwd
+// each.
+template <int GroupPairs, bool Asym>
+__attribute__((always_inline)) inline __m256i group_sums(__m256i d0, __m256i d1, __m256i d2, __m256i d3,
+                                                         __m256i ones) {
+  if constexpr (GroupPairs != 1) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+  } else if constexpr (Asym) {
+    return _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(d0, d1), _mm256_hadd_epi16(d2, d3)), ones);
+  } else {
+    return _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(d0, d1), ones),
+                             _mm256_madd_epi16(_mm256_hadd_epi16(d2, d3), ones));
+  }
+}
+
 // Block b's rows (kPairRows) for rows m0 .. m0 + M of x: per group an exact int32 dot per row and row of x
-// (8 lanes), completed with the fill's term and folded into fp32 lanes with one product.
-template <int M, bool Dense, bool Asym>
+// (8 lanes), completed with the fill's term and folded into fp32 lanes with one product. GroupPairs: the pairs
+// a group spans when known at compile time (1: the default 64-column group), 0 to read it from p. Known, the
+// pass loop disappears: no loop-carried accumulators to zero, add to and copy, no loop control; at M = 1 on a
+// Zen 3 core that was ~25 of the ~90 instructions a group of 4 rows took (the products unchanged).
+template <int M, bool Dense, bool Asym, int GroupPairs>
 void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
   constexpr int R = kPairRows;
   constexpr bool dense = Dense;
-  const int64_t pairs = p.cols / 64, groups = p.groups, gp = p.group_pairs;
+  const int64_t pairs = p.cols / 64, groups = p.groups, gp = GroupPairs ? GroupPairs : p.group_pairs;
   const int64_t row0 = b * R, real = std::min<int64_t>(R, p.rows - row0);
   const uint64_t* masks = dense ? nullptr : p.masks + b * pairs * R;
   const uint8_t* c = p.codes + p.block_offsets[b];
@@ -151,7 +172,7 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
     const int64_t at = (b * groups + g) * R;
     __m256i fills[R];
     for (int r = 0; r < R; ++r) fills[r] = _mm256_set1_epi8(static_cast<char>(Asym ? p.zeros[at + r] : 15));
-    __m256i dot[R][M];
+    __m256i dot[R][M];  // int32 lanes; with one pass a group, that pass's int16 pairs (see the epilogue)
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) dot[r][m] = _mm256_setzero_si256();
     for (int64_t j = 0; j < gp; ++j, ++q) {
@@ -177,7 +198,11 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
         for (int m = 0; m < M; ++m) {
           const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xv[m][0]),
                                                    _mm256_maddubs_epi16(w[1], xv[m][1]));
-          dot[r][m] = _mm256_add_epi32(dot[r][m], _mm256_madd_epi16(pairs16, ones));
+          if constexpr (GroupPairs == 1) {
+            dot[r][m] = pairs16;
+          } else {
+            dot[r][m] = _mm256_add_epi32(dot[r][m], _mm256_madd_epi16(pairs16, ones));
+          }
         }
       }
     }
@@ -188,8 +213,7 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
     const __m128 sw4 = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.scales + at))),
                                   _mm_set1_ps(Asym ? 1.0f : 0.5f));
     for (int m = 0; m < M; ++m) {
-      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(dot[0][m], dot[1][m]),
-                                          _mm256_hadd_epi32(dot[2][m], dot[3][m]));
+      const __m256i h = group_sums<GroupPairs, Asym>(dot[0][m], dot[1][m], dot[2][m], dot[3][m], ones);
       const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
       const int64_t xg = (m0 + m) * groups + g;
       const __m128i exact = _mm_add_epi32(dots, _mm_mullo_epi32(fill4, _mm_set1_epi32(p.x_starts[xg])));
@@ -210,18 +234,24 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0) {
   }
 }
 
-template <bool Dense, bool Asym>
+template <bool Dense, bool Asym, int GroupPairs>
 void blocks_of(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
   for (int64_t b = block_begin; b < block_end; ++b) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kPairChunkM) {
       switch (std::min<int64_t>(kPairChunkM, p.m - m0)) {
-        case 1: block<1, Dense, Asym>(p, b, m0); break;
-        case 2: block<2, Dense, Asym>(p, b, m0); break;
-        case 3: block<3, Dense, Asym>(p, b, m0); break;
-        default: block<4, Dense, Asym>(p, b, m0); break;
+        case 1: block<1, Dense, Asym, GroupPairs>(p, b, m0); break;
+        case 2: block<2, Dense, Asym, GroupPairs>(p, b, m0); break;
+        case 3: block<3, Dense, Asym, GroupPairs>(p, b, m0); break;
+        default: block<4, Dense, Asym, GroupPairs>(p, b, m0); break;
       }
     }
   }
+}
+
+template <bool Dense, bool Asym>
+void blocks_of(const Q4PairProblem& p, int64_t block_begin, int64_t block_end) {
+  if (p.group_pairs == 1) return blocks_of<Dense, Asym, 1>(p, block_begin, block_end);
+  blocks_of<Dense, Asym, 0>(p, block_begin, block_end);
 }
 
 template <bool Asym>

@@ -6,8 +6,8 @@ SmolLM2): perplexity before and after `leapctl.quantize.tune.tune_scales`, nothi
         --calib wiki-summaries --batch-size 4 --seq-len 256 --steps 200 \
         --ppl runs/quality_q4/smollm2-135m-0.5/wiki-summaries-heldout.txt --eval-seq-len 1024
 
-The windows are `quantize`'s (`tuning_windows`: the whole calibration source cut to --seq-len), from the same
-default source (the run's own calibration text)."""
+The windows are `quantize`'s (`training_windows`: the whole calibration source cut to --seq-len), from the
+same default source (the run's own calibration text)."""
 
 import argparse
 import json
@@ -20,10 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from leapctl.compute import native_bf16  # noqa: E402
+from leapctl.data import training_windows  # noqa: E402
 from leapctl.eval.perplexity import perplexity  # noqa: E402
 from leapctl.models import load_model  # noqa: E402
 from leapctl.quantize.config import DEFAULT_CALIB  # noqa: E402
-from leapctl.quantize.tune import tune_scales, tuning_windows  # noqa: E402
+from leapctl.quantize.tune import tune_scales  # noqa: E402
 from leapctl.runs import read_run  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def main() -> None:
 
     before = None if args.skip_before else scores()
     calib = args.calib or run.calibration_source or DEFAULT_CALIB
-    windows = tuning_windows(calib, tokenizer, teacher, args.steps, args.batch_size, args.seq_len)
+    windows = training_windows(calib, tokenizer, teacher, args.steps, args.batch_size, args.seq_len)
     started = time.perf_counter()
     autocast = args.autocast if args.autocast is not None else native_bf16(torch.device("cpu"))
     result = tune_scales(model, teacher, run.scales, windows, args.steps, args.lr, args.batch_size,

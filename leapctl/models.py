@@ -144,3 +144,14 @@ def prunable_linears(model: nn.Module, include: str | None = None,
                      exclude: str | None = None) -> dict[str, nn.Linear]:
     """Shorthand for `model_layout(model, include, exclude).linears`."""
     return model_layout(model, include, exclude).linears
+
+
+def recompute_blocks_in_backward(model: nn.Module) -> list[nn.Module]:
+    """Turn on Hugging Face's recomputation of each decoder block in the backward; returns the modules that
+    decide it (the blocks, or the model in older transformers), put in training mode because Hugging Face
+    recomputes only there. Their own flag alone: attention and dropout modules stay in eval mode."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    deciding = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False)]
+    for module in deciding:
+        module.training = True
+    return deciding

@@ -97,14 +97,15 @@ def tune(model, tokenizer, teacher_spec: str, scales: dict, calib: str,
     import torch
 
     from leapctl.compute import native_bf16, resolve_device
+    from leapctl.data import training_windows
     from leapctl.models import load_model
-    from leapctl.quantize.tune import tune_scales, tuning_windows
+    from leapctl.quantize.tune import tune_scales
 
     started = time.perf_counter()
     device = resolve_device(config.device)
     autocast = config.autocast if config.autocast is not None else native_bf16(device)
     teacher, _ = load_model(teacher_spec, dtype=torch.float32)
-    windows = tuning_windows(calib, tokenizer, teacher, config.tune_steps, config.batch_size,
+    windows = training_windows(calib, tokenizer, teacher, config.tune_steps, config.batch_size,
                              config.seq_len, config.seed, config.text_field)
     result = tune_scales(model.to(device), teacher.to(device), scales, windows, config.tune_steps,
                          config.tune_lr, config.batch_size, config.seed, config.progress, autocast,

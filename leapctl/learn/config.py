@@ -119,8 +119,10 @@ class LearnConfig:
     hard_mask: str = setting("global", "global (exact density, top-k over all layers), per-layer (exact "
                                        "density in each layer) or positive (P > 0).")
     logits_dtype: str = setting("float32", "float32 or bfloat16 logits.")
-    autocast: bool | None = setting(None, "bf16 autocast of the matmuls (default: on CUDA, off on CPU; CPUs "
-                                          "with AMX run it faster).")
+    autocast: bool | None = setting(None, "bf16 autocast of the matmuls (default: where the device "
+                                          "multiplies bf16 in hardware: CUDA, or a CPU with AVX512-BF16 or "
+                                          "AMX; a CPU without it widens every bf16 matmul to fp32, ~7x "
+                                          "slower).")
     gradient_checkpointing: bool = setting(True, "Recompute each decoder block in the backward.")
     include: str | None = setting(None, "Regex: mask only matching linear names.")
     exclude: str | None = setting(None, "Regex: skip matching linear names.")
@@ -201,8 +203,8 @@ class LearnConfig:
             )
         if self.preset not in PRESETS:
             raise LeapctlError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        if self.lr is not None and self.lr <= 0:
-            raise LeapctlError(f"--lr must be positive, got {self.lr}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):  # nan passes `<= 0`
+            raise LeapctlError(f"--lr must be a positive finite number, got {self.lr}")
         if self.init_scale is not None and self.init_scale <= 0:
             raise LeapctlError(f"--init-scale must be positive, got {self.init_scale}")
         if self.distill is not None and not 0.0 <= self.distill <= 1.0:

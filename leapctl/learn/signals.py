@@ -1,5 +1,5 @@
-"""SIGTERM / SIGINT during learning: they only raise a flag; the loop checkpoints at the end of the current
-step and stops (`--resume` continues)."""
+"""SIGTERM / SIGINT / SIGHUP (a closed terminal) during training: they only raise a flag; the loop checkpoints
+at the end of the current step and stops (`--resume` continues)."""
 
 import signal
 import threading
@@ -16,7 +16,7 @@ class StopFlag:
 
     def __enter__(self):
         if self.enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, self._raise)
         return self
 

@@ -320,8 +320,11 @@ def finish_weights(model: torch.nn.Module, masks: MaskSet, corpus, config: Learn
 
 
 def autocast_on(config: LearnConfig, device: torch.device) -> bool:
-    """bf16 autocast: as `--autocast` says, else on CUDA only."""
-    return config.autocast if config.autocast is not None else device.type == "cuda"
+    """bf16 autocast: as `--autocast` says, else where the device multiplies bf16 in hardware (CUDA, or a CPU
+    with AVX512-BF16 or AMX); never forced on a CPU that would widen every bf16 matmul to fp32."""
+    from leapctl.compute import native_bf16
+
+    return config.autocast if config.autocast is not None else native_bf16(device)
 
 
 def _seed_everything(seed: int) -> None:

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from leapctl.data import GENERATED, corpus_ids
 from leapctl.learn.loss import language_model_and_distillation
 from leapctl.learn.schedule import cosine_with_warmup
+from leapctl.models import recompute_blocks_in_backward
 from leapctl.progress import progress_bar
 
 NORM_LR_FACTOR = 0.1  # normalisation weights are O(1) multipliers: a tenth of the log-scales' step
@@ -63,34 +63,10 @@ def normalisation_weights(model: nn.Module) -> list[nn.Parameter]:
             if "Norm" in type(module).__name__ and isinstance(getattr(module, "weight", None), nn.Parameter)]
 
 
-def tuning_windows(calib: str, tokenizer, teacher: nn.Module, steps: int, batch_size: int, seq_len: int,
-                   seed: int = 0, text_field: str = "text") -> torch.Tensor:
-    """The windows [n, seq_len] tuning draws its batches from: the whole calibration source (a text source's
-    every token; `generated`: as many tokens as the steps read, capped at 1M, sampled 512 tokens at a time by
-    `teacher`). GPTQ's `--nsamples` windows alone are too few for a few hundred steps: stories260K, LEAP 50%
-    + GPTQ (4.724; 16-bit 4.386), 200 steps of 8 x 128 reached 4.700 from its 64 calibration windows, 4.632
-    from 1600 windows of 128-token samples, 4.591 from 1600 windows of 512-token samples."""
-    one_batch = batch_size * seq_len
-    wanted = min(steps * one_batch, 1 << 20) if calib == GENERATED else one_batch
-    ids = corpus_ids(calib, tokenizer, model=teacher, seed=seed + 1, min_tokens=wanted, text_field=text_field)
-    return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
-
-
 def _sharing_modules(model: nn.Module, module: nn.Module) -> list[nn.Module]:
     """`module` and every other module whose weight is the same tensor (a tied input embedding)."""
     return [module] + [other for other in model.modules()
                        if other is not module and getattr(other, "weight", None) is module.weight]
-
-
-def _checkpointing_on(model: nn.Module) -> list[nn.Module]:
-    """Turn on Hugging Face's recomputation of each decoder block in the backward; returns the modules that
-    decide it (the blocks, or the model in older transformers), put in training mode because Hugging Face
-    recomputes only there. Their own flag alone: attention and dropout modules stay in eval mode."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    deciding = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False)]
-    for module in deciding:
-        module.training = True
-    return deciding
 
 
 def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Tensor],
@@ -119,7 +95,7 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
     optimizer = torch.optim.Adam([{"params": gains, "lr": lr}, {"params": norms, "lr": lr * NORM_LR_FACTOR}])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(0, steps))
     teacher.eval()
-    checkpointed = _checkpointing_on(model) if checkpointing else []
+    checkpointed = recompute_blocks_in_backward(model) if checkpointing else []
     generator = torch.Generator().manual_seed(seed)
     history = []
     with progress_bar(progress, eta=True, fields="KL {task.fields[kl]:.4f}") as bar:
@@ -156,4 +132,4 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
     return TuneResult(scales=new_scales, kl=history, norms=len(norms))
 
 
-__all__ = ["TuneResult", "tune_scales", "tuning_windows"]
+__all__ = ["TuneResult", "tune_scales"]

@@ -1,0 +1,120 @@
+"""`leapctl recover RUN --out DIR`: the kept weights of a run folder trained by distillation from the dense
+model, the mask held, into a new run folder. From Python: `run(RecoverConfig(...))` returns the report;
+`leapctl.recover.recover_weights` trains a model in memory."""
+
+import contextlib
+from pathlib import Path
+
+import typer
+
+from leapctl.recover.config import DEFAULT_CALIB, RecoverConfig
+
+NAME = "recover"
+HELP = ("Train the kept weights of a pruned RUN by distillation from the dense model (the mask held, pruned "
+        "weights stay zero) and write a run folder, ready for quantize or export.")
+Config = RecoverConfig
+PLOT = "recover_kl.png"
+
+
+def run(config: RecoverConfig) -> dict:
+    """Read a run folder, train its kept weights and write a new run folder atomically; returns the report.
+    Raises `RecoverInterrupted` when a signal stopped the run after its checkpoint (rerun with --resume)."""
+    import torch
+
+    from leapctl.compute import native_bf16, resolve_device
+    from leapctl.data import training_windows
+    from leapctl.errors import LeapctlError
+    from leapctl.learn.plots import plot_curve
+    from leapctl.models import load_model, resolve_model
+    from leapctl.outdir import atomic_output_dir
+    from leapctl.recover.train import RecoverySettings, recover_weights
+    from leapctl.runs import read_run, save_run
+
+    config.validate()
+    source = read_run(config.run)
+    if source.scales is not None:
+        raise LeapctlError(f"{config.run} is quantized: recover the 16-bit run, then quantize it")
+    teacher_spec = config.teacher or source.masks.model
+    if not teacher_spec:
+        raise LeapctlError(f"{config.run}'s masks name no dense model: pass --teacher MODEL")
+    resolve_model(teacher_spec)
+    calib = config.calib or source.calibration_source or DEFAULT_CALIB
+    device = resolve_device(config.device)
+    autocast = config.autocast if config.autocast is not None else native_bf16(device)
+    checkpointing = (config.gradient_checkpointing if config.gradient_checkpointing is not None
+                     else device.type == "cuda")
+    fingerprint = {**config.fingerprint(autocast), "teacher": teacher_spec, "calib": calib}
+    _refuse_bad_starts(config, (config.run, calib, teacher_spec), fingerprint)
+
+    model, tokenizer = load_model(str(source.path), dtype=torch.float32, device=device)
+    teacher, _ = load_model(teacher_spec, dtype=torch.float32, device=device)
+    windows = training_windows(calib, tokenizer, teacher, config.steps, config.batch_size, config.seq_len,
+                               config.seed, config.text_field)
+    settings = RecoverySettings(config.steps, config.batch_size, config.lr, config.hidden_weight, config.seed,
+                                autocast, checkpointing, config.checkpoint_every, config.progress)
+    result = recover_weights(model, teacher, source.masks, windows, settings, config.state_dir(), fingerprint,
+                             resume=config.resume)
+    del teacher
+    kl = [entry["kl"] for entry in result.history]
+    last = kl[-10:]
+    report = {"command": "recover", "source_run": str(source.path),
+              "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
+              "calibration": {"source": calib},
+              "recovery": {"teacher": teacher_spec, "steps": config.steps, "batch_size": config.batch_size,
+                           "seq_len": config.seq_len, "lr": config.lr, "hidden_weight": config.hidden_weight,
+                           "tokens": config.steps * config.batch_size * config.seq_len,
+                           "windows": int(windows.shape[0]), "autocast": autocast,
+                           "gradient_checkpointing": checkpointing, "device": str(device),
+                           "resumed_at_step": result.resumed_at_step, "seconds": round(result.seconds, 3),
+                           "kl_first": round(kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
+                           "history": result.history}}
+    inputs = (config.run, calib, teacher_spec)
+    with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
+        saved = save_run(tmp, model.to("cpu"), tokenizer, source.masks, report)
+        plot_curve(kl, "recovery step", "KL(dense || sparse)", "recovery of the kept weights", tmp / PLOT)
+    _clear_state(config.state_dir())
+    return saved
+
+
+def _refuse_bad_starts(config: RecoverConfig, inputs: tuple, fingerprint: dict) -> None:
+    """Output folder, state folder and checkpoint checked before any model loads."""
+    from leapctl.errors import LeapctlError
+    from leapctl.learn.checkpoint import has_checkpoint, read_checkpoint
+    from leapctl.learn.state import check_state_dir
+    from leapctl.outdir import check_output_dir
+
+    state_dir = config.state_dir()
+    check_output_dir(Path(config.out), config.overwrite, inputs)
+    check_state_dir(state_dir, Path(config.out), inputs)
+    if config.resume:
+        read_checkpoint(state_dir, fingerprint)
+    elif has_checkpoint(state_dir):
+        if not config.overwrite:
+            raise LeapctlError(f"an unfinished recovery's checkpoint exists in {state_dir}: pass --resume to "
+                               f"continue it or --overwrite to start over")
+        _clear_state(state_dir)
+
+
+def _clear_state(state_dir: Path) -> None:
+    from leapctl.learn.state import clear_state
+
+    clear_state(state_dir)
+    with contextlib.suppress(OSError):
+        state_dir.rmdir()
+
+
+def main(config: RecoverConfig) -> int:
+    from leapctl.recover.train import RecoverInterrupted
+
+    try:
+        report = run(config)
+    except RecoverInterrupted as stop:
+        typer.echo(f"interrupted after step {stop.steps_done}: checkpoint in {config.state_dir()}; rerun "
+                   f"with --resume to continue", err=True)
+        return 128 + stop.signal_number
+    recovery = report["recovery"]
+    typer.echo(f"recovered {len(report['achieved_sparsity']['per_layer'])} pruned layers in "
+               f"{recovery['steps']} steps ({recovery['tokens']:,} tokens, {recovery['seconds']:.0f} s): KL "
+               f"{recovery['kl_first']:.4f} -> {recovery['kl_last_10']:.4f}, sparsity "
+               f"{report['achieved_sparsity']['global']:.4f} -> {config.out}")
+    return 0

@@ -9,12 +9,23 @@ import sys
 
 import typer
 
-from leapctl.commands import apply_mask, eval, export, learn, prune, quantize, recover, serve, validate
+from leapctl.commands import (
+    apply_mask,
+    compress,
+    eval,
+    export,
+    learn,
+    prune,
+    quantize,
+    recover,
+    serve,
+    validate,
+)
 from leapctl.errors import LeapctlError
 from leapctl.settings import config_command
 
 # In the order `leapctl --help` lists them: the main path first.
-COMMANDS = (prune, learn, recover, apply_mask, quantize, eval, export, validate, serve)
+COMMANDS = (compress, prune, learn, recover, apply_mask, quantize, eval, export, validate, serve)
 
 app = typer.Typer(
     name="leapctl",

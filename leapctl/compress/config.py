@@ -1,0 +1,101 @@
+"""Every setting of `leapctl compress`, declared once; the CLI is generated from it."""
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from leapctl.compute import DEVICE_HELP
+from leapctl.errors import LeapctlError
+from leapctl.masks import check_sparsity
+from leapctl.settings import setting
+
+# The pipeline's stages in the order they run; `--stages` picks a subset (prune always runs: it is the start).
+PRUNE, LEARN, RECOVER, QUANTIZE = "prune", "learn", "recover", "quantize"
+STAGES = (PRUNE, LEARN, RECOVER, QUANTIZE)
+DEFAULT_STAGES = "prune,recover,quantize"
+AUTO = "auto"
+_TOKEN_UNITS = {"tok": 1, "tokens": 1, "ktok": 1_000, "ktokens": 1_000, "Mtok": 1_000_000,
+                "Mtokens": 1_000_000}
+_UNITS = "|".join(("min", "h", *_TOKEN_UNITS))
+_BUDGET = re.compile(rf"^\s*(?P<number>[0-9]*\.?[0-9]+)\s*(?P<unit>{_UNITS})?\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the training stages may spend: wall-clock minutes (the plan converts them into steps from a
+    measured step time) or training tokens (steps follow directly)."""
+
+    minutes: float | None = None
+    tokens: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.minutes:g} min" if self.minutes is not None else f"{self.tokens:,} tokens"
+
+
+def parse_budget(text: str) -> Budget:
+    """`45`, `45min`, `1.5h` (minutes) or `300ktok`, `2Mtok`, `250000tokens` (training tokens)."""
+    found = _BUDGET.match(text)
+    if not found:
+        raise LeapctlError(f"--budget {text!r} is neither minutes (45, 45min, 1.5h) nor tokens (300ktok, "
+                           f"2Mtok)")
+    number, unit = float(found["number"]), found["unit"] or "min"
+    if not (math.isfinite(number) and number > 0):
+        raise LeapctlError(f"--budget must be more than 0, got {text!r}")
+    if unit in _TOKEN_UNITS:
+        return Budget(tokens=int(number * _TOKEN_UNITS[unit]))
+    return Budget(minutes=number * 60 if unit == "h" else number)
+
+
+def parse_stages(text: str) -> tuple[str, ...]:
+    """The stages named (comma-separated), in pipeline order; prune is always the first."""
+    named = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in named if name not in STAGES]
+    if unknown:
+        raise LeapctlError(f"unknown stage {unknown[0]!r} in --stages (choose from {', '.join(STAGES)})")
+    return tuple(stage for stage in STAGES if stage in named or stage == PRUNE)
+
+
+@dataclass
+class CompressConfig:
+    model: str = setting(help="Local Hugging Face folder, hub id, or built-in name (smollm2-135m).",
+                         argument=True, metavar="MODEL")
+    sparsity: float = setting(help="Fraction of the decoder's linear weights pruned, in (0, 1).")
+    out: Path = setting(help="Output run folder: the compressed model (4-bit kept weights unless quantize is "
+                             "left out), its masks, scales and report, plus compress.json.")
+    budget: str = setting(AUTO, "What training may spend: minutes (45, 45min, 1.5h) or tokens (300ktok, "
+                                "2Mtok). auto: 35 minutes on a CPU (SmolLM2-135M's whole pipeline within "
+                                "45 on two cores), 20M tokens on a GPU.")
+    stages: str = setting(DEFAULT_STAGES, "Stages to run, in this order: prune (Wanda), learn (LEAP from the "
+                                          "Wanda mask), recover (kept weights by distillation), quantize "
+                                          "(4-bit GPTQ + scale tuning). The default is the order measured "
+                                          "best at the CPU budget (bench/results/compress).")
+    calib: str = setting("wiki-summaries", "Calibration and training text: file, folder, .jsonl, saved "
+                                           "dataset, wiki-summaries or generated.")
+    eval_text: list[str] = setting(default_factory=list, help="Extra text files to score dense against "
+                                                              "compressed on (for example WikiText-2's test "
+                                                              "split); wiki-summaries' held-apart slice is "
+                                                              "always scored when it is the calibration.",
+                                   metavar="FILE")
+    evaluate: bool = setting(True, "Score dense against compressed at the end (perplexity table).")
+    keep_stages: bool = setting(False, "Keep each stage's run folder in OUT.compress-state after success.")
+    device: str = setting(AUTO, f"Where to work: {DEVICE_HELP}.")
+    seed: int = setting(0, "Seed of every stage.")
+    overwrite: bool = setting(False, "Replace a non-empty output folder (and start over).",
+                              flag="--overwrite")
+    progress: bool = setting(True, "Show progress bars.")
+    stage_list: tuple[str, ...] = field(default=(), metadata={"cli": False})
+
+    def validate(self) -> None:
+        """One clear error for settings that cannot work, before any model loads."""
+        check_sparsity(self.sparsity)
+        if self.budget != AUTO:
+            parse_budget(self.budget)
+        self.stage_list = parse_stages(self.stages)
+        for text in self.eval_text:
+            if not Path(text).is_file():
+                raise LeapctlError(f"--eval-text {text} is not a file")
+
+    def state_dir(self) -> Path:
+        out = Path(self.out)
+        return out.with_name(f"{out.name}.compress-state")

@@ -24,8 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-MAIN_VENV = Path("/work/main/.venv")
-BENCH_VENV = Path("/work/main/.venv-bench")  # `make bench-setup`: llama-cpp-python and llama.cpp's converter
+REPO = Path(__file__).resolve().parents[1]
+MAIN_VENV = REPO / ".venv"
+BENCH_VENV = REPO / ".venv-bench"  # `make bench-setup`: llama-cpp-python and llama.cpp's converter
 # Tokenizer and generation files copied next to a rewritten checkpoint (whichever the source has).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
@@ -208,7 +209,9 @@ params.nthread = 1
 if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)):
     sys.exit("llama_model_quantize failed")
 """
-GGUF_FTYPES = {"q4_0": 2}  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
+# llama.cpp's llama_ftype values (llama.h) of the types the benchmarks make
+GGUF_FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q2_k": 10, "q3_k_m": 12, "q4_k_m": 15,
+               "iq4_nl": 25}
 
 
 def _run(command: list[str], **env: str) -> None:
@@ -220,25 +223,26 @@ def _run(command: list[str], **env: str) -> None:
 
 
 def write_gguf(model_dir: Path, out: Path, kind: str, main_venv: Path = MAIN_VENV,
-               bench_venv: Path = BENCH_VENV) -> Path:
-    """`out` as a GGUF of kind "f16" (llama.cpp's convert_hf_to_gguf.py, run by the main venv's Python,
-    which has the torch and transformers it imports) or "q4_0" (llama.cpp's quantizer on the F16 GGUF of
-    the same name with its last suffix replaced, MODEL.q4_0.gguf -> MODEL.f16.gguf, written first unless
-    there)."""
+               bench_venv: Path = BENCH_VENV, base: str = "f16") -> Path:
+    """`out` as a GGUF of kind "f16" or "f32" (llama.cpp's convert_hf_to_gguf.py, run by the main venv's
+    Python, which has the torch and transformers it imports) or a quantized type of GGUF_FTYPES (llama.cpp's
+    quantizer on the `base` GGUF of the same name with its last suffix replaced, MODEL.q4_0.gguf ->
+    MODEL.f16.gguf, written first unless there)."""
     if out.is_file():
         _say(f"{kind} gguf {out} exists")
         return out
     tmp = out.with_name(out.name + ".tmp")
-    if kind == "f16":
-        _say(f"converting {model_dir} to an f16 gguf {out}")
+    if kind in ("f16", "f32"):
+        _say(f"converting {model_dir} to an {kind} gguf {out}")
         converter = bench_venv / "llama.cpp"
         _run([str(main_venv / "bin/python"), str(converter / "convert_hf_to_gguf.py"), str(model_dir),
-              "--outtype", "f16", "--outfile", str(tmp)], PYTHONPATH=str(converter / "gguf-py"))
+              "--outtype", kind, "--outfile", str(tmp)], PYTHONPATH=str(converter / "gguf-py"))
     elif kind in GGUF_FTYPES:
-        f16 = out.with_suffix("").with_suffix(".f16.gguf")
-        write_gguf(model_dir, f16, "f16", main_venv, bench_venv)
-        _say(f"quantizing {f16} to a {kind} gguf {out}")
-        _run([str(bench_venv / "bin/python"), "-c", _QUANTIZE, str(f16), str(tmp), str(GGUF_FTYPES[kind])])
+        source = out.with_suffix("").with_suffix(f".{base}.gguf")
+        write_gguf(model_dir, source, base, main_venv, bench_venv)
+        _say(f"quantizing {source} to a {kind} gguf {out}")
+        _run([str(bench_venv / "bin/python"), "-c", _QUANTIZE, str(source), str(tmp),
+              str(GGUF_FTYPES[kind])])
     else:
         raise ValueError(f"unknown gguf kind {kind!r}; known: f16, {', '.join(GGUF_FTYPES)}")
     tmp.rename(out)

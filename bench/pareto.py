@@ -12,6 +12,7 @@ matrix and the output projection). The text is WikiText-2's test split, its firs
 
     python bench/pareto.py --sparsities 0.3 0.4 0.5 0.6 --budget 35    # SmolLM2-135M: ~3 h on 2 cores
     python bench/pareto.py --sparsities 0.5 --reuse runs/pareto       # add points to an earlier run
+    python bench/pareto.py --sparsities --runs "wanda 50%=runs/w50" "recovered=runs/r50"   # given runs
 
 Writes bench/results/pareto/pareto_<name>.{md,json,png}."""
 
@@ -88,8 +89,9 @@ def wikitext_excerpt(work: Path) -> Path:
 
 
 def leapctl_points(args, work: Path, text: Path) -> list[dict]:
-    """Every stage of a compress run per sparsity: perplexity and bytes per weight."""
-    points = []
+    """Every stage of a compress run per sparsity, and every run folder given as `--runs NAME=RUN`:
+    perplexity and bytes per weight."""
+    points = [_run_point(name, Path(run), work) for name, run in (item.split("=", 1) for item in args.runs)]
     for sparsity in args.sparsities:
         out = work / f"compress-{sparsity}"
         if not out.is_dir():
@@ -119,6 +121,17 @@ def leapctl_points(args, work: Path, text: Path) -> list[dict]:
     for point, score in zip(points, scores[1:], strict=True):
         point["ppl"] = score["perplexity"][text.name]["ppl"]
     return [dense, *points]
+
+
+def _run_point(name: str, run: Path, work: Path) -> dict:
+    """A run folder made outside this script (any leapctl pipeline), exported to count its bytes."""
+    quantized = (run / "leapctl" / "scales.safetensors").is_file()
+    fmt = "bitmap-q4" if quantized else "bitmap"
+    export = work / f"export-{name}"
+    if not export.is_dir():
+        leapctl("export", str(run), "--format", fmt, "--out", str(export))
+    return {"name": f"leapctl {name}", "family": "leapctl", "format": fmt, "run": str(run),
+            "per_weight": bytes_per_weight(export, run)["per_weight"]}
 
 
 def llama_cpp_points(args, work: Path, text: Path) -> list[dict]:
@@ -196,7 +209,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--name", default="smollm2-135m")
-    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6])
+    parser.add_argument("--sparsities", type=float, nargs="*", default=[0.3, 0.4, 0.5, 0.6])
+    parser.add_argument("--runs", nargs="*", default=[], metavar="NAME=RUN",
+                        help="run folders made elsewhere to put on the chart (e.g. the stages of a study)")
     parser.add_argument("--budget", default="auto", help="compress --budget of every sparsity")
     parser.add_argument("--stages", default="prune,recover,quantize")
     parser.add_argument("--llama-cpp-types", nargs="*", default=list(LLAMA_CPP_TYPES),

@@ -68,9 +68,11 @@ def _new_plan(config: CompressConfig) -> Plan:
     budget = auto_budget(device) if config.budget == AUTO else parse_budget(config.budget)
     model, _ = load_model(config.model, dtype=torch.float32, device=device)
     exclude = _indivisible_linears(model)
-    step_seconds = probe_step(model, native_bf16(device)) if budget.minutes is not None else None
+    autocast = native_bf16(device)
+    step_seconds = probe_step(model, autocast) if budget.minutes is not None else None
     del model
-    return make_plan(config, budget, step_seconds, exclude, checkpointing=device.type == "cuda")
+    return make_plan(config, budget, step_seconds, exclude, checkpointing=device.type == "cuda",
+                     autocast=autocast)
 
 
 def _indivisible_linears(model) -> str | None:
@@ -98,6 +100,7 @@ def _stage_args(stage: str, config: CompressConfig, plan: Plan, source: Path | N
         common.append("--no-progress")
     shape = ["--batch-size", str(plan.batch_size), "--seq-len", str(plan.seq_len)]
     checkpointing = f"--{'' if plan.gradient_checkpointing else 'no-'}gradient-checkpointing"
+    speed = [checkpointing, f"--{'' if plan.autocast else 'no-'}autocast"]
     exclude = ["--exclude", plan.exclude] if plan.exclude else []
     if stage == PRUNE:
         return ["prune", config.model, "--method", "wanda", "--sparsity", str(config.sparsity), "--calib",
@@ -106,14 +109,14 @@ def _stage_args(stage: str, config: CompressConfig, plan: Plan, source: Path | N
     resume = ["--resume"] if _has_checkpoint(out, stage) else ["--overwrite"]
     if stage == LEARN:
         return ["learn", config.model, "--sparsity", str(config.sparsity), "--calib", config.calib,
-                "--init-masks", str(source), "--steps", str(plan.learn_steps), *shape, checkpointing,
+                "--init-masks", str(source), "--steps", str(plan.learn_steps), *shape, *speed,
                 *exclude, *resume, *common]
     if stage == RECOVER:
         return ["recover", str(source), "--teacher", config.model, "--calib", config.calib, "--steps",
-                str(plan.recover_steps), *shape, checkpointing, *resume, *common]
+                str(plan.recover_steps), *shape, *speed, *resume, *common]
     if stage == QUANTIZE:
         return ["quantize", str(source), "--teacher", config.model, "--calib", config.calib, "--nsamples",
-                str(plan.gptq_samples), *shape, "--tune-steps", str(plan.tune_steps), checkpointing,
+                str(plan.gptq_samples), *shape, "--tune-steps", str(plan.tune_steps), *speed,
                 "--overwrite", *common]
     raise LeapctlError(f"unknown stage {stage!r}")
 

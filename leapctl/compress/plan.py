@@ -42,6 +42,7 @@ class Plan:
     batch_size: int = BATCH_SIZE
     seq_len: int = SEQ_LEN
     gradient_checkpointing: bool = False
+    autocast: bool = False  # bf16 where the device multiplies it in hardware (`compute.native_bf16`)
     exclude: str | None = None  # linears left dense: no 4-bit group divides their columns
     settings: dict | None = None  # what the plan was made for; a rerun with other settings starts over
 
@@ -77,7 +78,7 @@ def probe_step(model: torch.nn.Module, autocast: bool) -> float:
 
 
 def make_plan(config: CompressConfig, budget: Budget, step_seconds: float | None, exclude: str | None,
-              checkpointing: bool) -> Plan:
+              checkpointing: bool, autocast: bool = False) -> Plan:
     """Steps per stage from the budget: what is left after the fixed stages, split between learn and
     recover, a share of it for quantize's scale tuning."""
     stages = config.stage_list
@@ -101,7 +102,7 @@ def make_plan(config: CompressConfig, budget: Budget, step_seconds: float | None
         raise LeapctlError(f"--budget {budget} leaves fewer than 10 steps for {' and '.join(training)}"
                            + (f" (this machine needs about {need:.0f} min)" if step_seconds else ""))
     return Plan(str(budget), step_seconds, learn, recover, tune, gradient_checkpointing=checkpointing,
-                exclude=exclude, settings=plan_settings(config))
+                autocast=autocast, exclude=exclude, settings=plan_settings(config))
 
 
 def plan_settings(config: CompressConfig) -> dict:

@@ -119,10 +119,9 @@ class LearnConfig:
     hard_mask: str = setting("global", "global (exact density, top-k over all layers), per-layer (exact "
                                        "density in each layer) or positive (P > 0).")
     logits_dtype: str = setting("float32", "float32 or bfloat16 logits.")
-    autocast: bool | None = setting(None, "bf16 autocast of the matmuls (default: where the device "
-                                          "multiplies bf16 in hardware: CUDA, or a CPU with AVX512-BF16 or "
-                                          "AMX; a CPU without it widens every bf16 matmul to fp32, ~7x "
-                                          "slower).")
+    autocast: bool | None = setting(None, "bf16 autocast of the matmuls (default: on CUDA, off on CPU; "
+                                          "CPUs with AVX512-BF16 or AMX run it faster, CPUs without widen "
+                                          "every bf16 matmul to fp32, ~7x slower).")
     gradient_checkpointing: bool = setting(True, "Recompute each decoder block in the backward.")
     include: str | None = setting(None, "Regex: mask only matching linear names.")
     exclude: str | None = setting(None, "Regex: skip matching linear names.")

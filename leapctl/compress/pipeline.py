@@ -7,8 +7,10 @@ the plan, each stage's time, dense against compressed perplexity and the bytes a
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -129,18 +131,29 @@ def _has_checkpoint(out: Path, stage: str) -> bool:
 
 def _run(args: list[str]) -> None:
     """One leapctl command in a child process; its failure ends compress with the child's status (the
-    child has printed its own one-line error)."""
-    shown = " ".join(["leapctl", *args])
-    print(f"$ {shown}", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "leapctl", *args])
-    if done.returncode != 0:
-        raise StageFailed(args[0], done.returncode)
+    child has printed its own one-line error). SIGINT, SIGTERM and SIGHUP are passed on to the child and
+    compress waits for it: learn and recover write their checkpoint first, the others remove their
+    temporary folder, so that a rerun continues."""
+    print(f"$ {' '.join(['leapctl', *args])}", file=sys.stderr, flush=True)
+    child = subprocess.Popen([sys.executable, "-m", "leapctl", *args])
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, lambda signum, _: child.send_signal(signum))
+                for sig in forwarded} if main_thread else {}
+    try:
+        status = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if status != 0:
+        raise StageFailed(args[0], status)
 
 
 class StageFailed(LeapctlError):
     def __init__(self, stage: str, status: int):
-        super().__init__(f"stage {stage} failed (exit {status}); rerun the same command to continue")
-        self.status = status
+        how = f"was stopped by signal {-status}" if status < 0 else f"failed (exit {status})"
+        super().__init__(f"stage {stage} {how}; rerun the same command to continue")
+        self.status = 128 - status if status < 0 else status
 
 
 def _finish(config: CompressConfig, plan: Plan, final: Path, seconds: dict, state: Path) -> dict:

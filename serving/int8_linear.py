@@ -5,8 +5,10 @@ On CPU the layer multiplies decoding steps with leapctl's own op (`NativeInt8`: 
 AVX-512 VNNI or AVX2, the codes as stored, read once per call) and more rows of x through vLLM's int8 GEMM
 (oneDNN, `OneDNNInt8`, the weight packed on first use) where that is exact, x quantized to int8 per row (scale
 max|x| / 127) in both.
-`int8_rows_linear` is the portable path (any device, the GPU included) and the reference: the same rounding
-of x (`int8_rows_activations`), the decoded weight, one fp32 matmul."""
+On a GPU, `GpuInt8`: the same rounding of x in torch and one int8 GEMM (`torch._int_mm`, int32 sums), the
+codes as stored, no host synchronisation.
+`int8_rows_linear` is the portable path and the reference: the same rounding of x (`int8_rows_activations`),
+the decoded weight, one fp32 matmul."""
 
 from dataclasses import dataclass
 
@@ -39,6 +41,48 @@ def int8_rows_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 @int8_rows_linear.register_fake
 def _int8_rows_linear_fake(x, qweight, scales, bias=None):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+# torch._int_mm (cuBLASLt on CUDA) refuses 16 rows of x or fewer and wants K and N in multiples of 8.
+INT_MM_MIN_ROWS = 17
+INT_MM_ALIGN = 8
+
+
+def int8_rows_int_mm(x: torch.Tensor, qweight_t: torch.Tensor, scales: torch.Tensor, n_rows: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with x rounded per row as `int8_rows_activations` and W = scales * codes: `qweight_t` is
+    the codes' [K, N] column-major view (zero-padded to multiples of 8), `scales` fp32 [N] (padded alike).
+    x is padded with zero rows up to what `_int_mm` takes; their outputs are dropped. All in torch ops that
+    keep the data on the device (CUDA graphs capture it)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    top = x2.abs().amax(dim=-1, keepdim=True)
+    limit = torch.full_like(top, 127.0)  # tensor by tensor, as int8_activations rounds
+    inverse = torch.where(top > 0, limit / top, torch.zeros_like(top))
+    codes = torch.round(x2 * inverse).to(torch.int8)
+    m = codes.shape[0]
+    rows = -(-max(m, INT_MM_MIN_ROWS) // INT_MM_ALIGN) * INT_MM_ALIGN
+    codes = F.pad(codes, (0, qweight_t.shape[0] - codes.shape[1], 0, rows - m))
+    sums = torch._int_mm(codes, qweight_t)[:m, :n_rows]
+    y = sums.float() * (top / limit) * scales[:n_rows]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, n_rows)
+
+
+class GpuInt8:
+    """An 8-bit lm_head on a GPU through `int8_rows_int_mm`: the codes read as stored (1 byte a weight, padded
+    once here to multiples of 8), instead of the portable op's fp32 weight built at every step."""
+
+    def __init__(self, weight: "Int8Weight") -> None:
+        rows, cols = weight.rows, weight.n_cols
+        pad_rows, pad_cols = -rows % INT_MM_ALIGN, -cols % INT_MM_ALIGN
+        self.qweight_t = F.pad(weight.qweight, (0, pad_cols, 0, pad_rows)).contiguous().t()
+        self.scales = F.pad(weight.scales.float(), (0, pad_rows))
+        self.n_rows = rows
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_rows_int_mm(x, self.qweight_t, self.scales, self.n_rows, bias)
 
 
 class OneDNNInt8:

@@ -15,7 +15,9 @@ and so does an 8-bit lm_head (`int8-rows`, `serving.int8_linear`; the config's `
 
 Compute: on CPU the native kernel (`serving.cpu_kernel`, built ahead by `make` or once when the model
 loads) reads the stored layout directly; where it cannot be built, one warning line says so and the layers
-decode their weight on every call. On CUDA the Triton tiled-bitmap kernel; `LEAP_SPARSE_DECODE_DENSE=1`
+decode their weight on every call. On CUDA the Triton kernels, chosen at load: tiled-bitmap for 16-bit values,
+bitmap-q4's tile kernel (`Q4Weight.tiles`) for 4-bit codes, and `GpuInt8` (torch._int_mm) for an 8-bit
+lm_head, none of which synchronises the host, so vLLM's CUDA graphs capture them; `LEAP_SPARSE_DECODE_DENSE=1`
 keeps dense weights instead."""
 
 from typing import Any
@@ -42,6 +44,7 @@ from serving.contract import Q4_ZERO_POINTS, QUANT_METHOD, LeapSparseSettings
 from serving.huge_pages import enabled as huge_pages_enabled
 from serving.huge_pages import huge_page_bytes, huge_page_copy
 from serving.int8_linear import (
+    GpuInt8,
     Int8Weight,
     NativeInt8,
     OneDNNInt8,
@@ -49,7 +52,7 @@ from serving.int8_linear import (
     native_int8_available,
     onednn_int8_available,
 )
-from serving.q4_linear import Q4Weight, bitmap_q4_linear
+from serving.q4_linear import Q4Weight, bitmap_q4_linear, bitmap_q4_tiled_linear, q4_gpu_kernel
 from serving.sparse_linear import BitmapWeight, bitmap_linear, tiled_bitmap_linear, tiled_kernel
 from sparse_formats import get_format
 
@@ -127,6 +130,14 @@ class LeapSparseConfig(QuantizationConfig):
             return False
         self._compute = f"compressed, native CPU kernel ({cpu_kernel.current_isa()})"
         self._native = True
+        return True
+
+    def gpu_kernel(self, device: torch.device, available: bool) -> bool:
+        """Whether a layer on `device` computes through a GPU kernel (CUDA and the kernel's package
+        importable); says so in the load summary."""
+        if device.type != "cuda" or not available:
+            return False
+        self._compute = "compressed, Triton GPU kernels"
         return True
 
     def int8_activations(self, weight: Q4Weight, dtype: torch.dtype) -> bool:
@@ -227,7 +238,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
         bytes_held = weight.nbytes()
         layer.leap_tiled = None
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
-        if device.type == "cuda" and tiled_kernel() is not None:
+        if self.config.gpu_kernel(device, tiled_kernel() is not None):
             tiled = get_format("tiled-bitmap").encode(weight.dense(), weight.mask())
             layer.leap_tiled = (list(tiled.values()), ",".join(tiled), weight.rows)
             bytes_held = sum(t.numel() * t.element_size() for t in tiled.values())
@@ -237,11 +248,18 @@ class LeapSparseLinearMethod(LinearMethodBase):
 
     def _hold_q4(self, layer: torch.nn.Module, weight: Q4Weight, device: torch.device,
                  dense_bytes: int) -> None:
-        """bitmap-q4 stays as stored: the native CPU op reads it, elsewhere it is decoded per call; with
+        """bitmap-q4 on a GPU: the Triton kernel's tile-major layout, made here once (the stored tensors
+        freed). On CPU it stays as stored: the native CPU op reads it, elsewhere it is decoded per call; with
         int8 activations the native op reads the pair layout made from it here (the stored tensors freed).
         On CPU either goes onto huge pages, as in process_weights_after_loading."""
         layer.leap_n_cols = weight.n_cols
         layer.leap_q4 = True
+        layer.leap_q4_tiles = None
+        if self.config.gpu_kernel(device, q4_gpu_kernel() is not None):
+            tiles = weight.tiles()
+            layer.leap_q4_tiles = (tiles.tensors(), tiles.n_rows, tiles.n_cols, tiles.group_size)
+            self.config.record_loaded_layer(tiles.nbytes(), dense_bytes)
+            return
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
         layer.leap_pairs = layer.leap_native and self.config.int8_activations(weight, layer.leap_params_dtype)
         if layer.leap_pairs:
@@ -260,10 +278,15 @@ class LeapSparseLinearMethod(LinearMethodBase):
 
     def _hold_int8(self, layer: torch.nn.Module, weight: Int8Weight, device: torch.device,
                    dense_bytes: int) -> None:
-        """An 8-bit lm_head: on CPU the native op for decoding steps (NativeInt8), else packed once for
-        vLLM's oneDNN int8 GEMM (which then owns the codes); elsewhere kept as stored and decoded per call."""
+        """An 8-bit lm_head: on a GPU an int8 GEMM of the codes as stored (GpuInt8); on CPU the native op for
+        decoding steps (NativeInt8), else packed once for vLLM's oneDNN int8 GEMM (which then owns the codes);
+        elsewhere kept as stored and decoded per call."""
         layer.leap_int8 = None
-        if device.type == "cpu" and self.config.native_cpu_kernel() and native_int8_available(weight.n_cols):
+        if self.config.gpu_kernel(device, True):
+            layer.leap_int8 = GpuInt8(weight)
+            self.config.head_note = "; 8-bit lm_head: int8 GEMM (torch._int_mm)"
+        elif device.type == "cpu" and self.config.native_cpu_kernel() \
+                and native_int8_available(weight.n_cols):
             layer.leap_int8 = NativeInt8(weight, layer.leap_params_dtype)
             self.config.head_note = "; 8-bit lm_head: native int8 op in decoding steps"
         elif device.type == "cpu" and onednn_int8_available():
@@ -284,6 +307,8 @@ class LeapSparseLinearMethod(LinearMethodBase):
                 return layer.leap_int8(x, bias)
             return int8_rows_linear(x, layer.qweight, layer.scales, bias)
         if getattr(layer, "leap_q4", False):
+            if layer.leap_q4_tiles is not None:
+                return bitmap_q4_tiled_linear(x, *layer.leap_q4_tiles, bias)
             zeros = getattr(layer, Q4_ZERO_POINTS, None)  # the asymmetric grid's
             if layer.leap_pairs:
                 return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(

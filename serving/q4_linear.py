@@ -6,7 +6,10 @@ On CPU the layers call the native kernel `torch.ops.leap_sparse_cpu.bitmap_q4_li
 which reads this layout as stored, or, with int8 activations (the default where the CPU has AVX-512 VNNI),
 `bitmap_q4_i8_linear` on the pair layout (`Q4Pairs`) made at load. `bitmap_q4_linear` below is the portable
 path (any device, the GPU included) and the reference: it decodes the weight per call and runs one dense
-matmul; `int8_activations` is the reference of how the int8 op rounds x."""
+matmul; `int8_activations` is the reference of how the int8 op rounds x. On a GPU the layers hold the weight
+in the Triton kernel's tile-major layout (`Q4Weight.tiles`, made once at load) and call
+`bitmap_q4_tiled_linear`, which never synchronises the host (CUDA graphs capture it); the portable op's
+boolean indexing would."""
 
 from dataclasses import dataclass, field
 
@@ -56,6 +59,32 @@ def bitmap_q4_linear(x: torch.Tensor, bitmap: torch.Tensor, codes: torch.Tensor,
 @bitmap_q4_linear.register_fake
 def _bitmap_q4_linear_fake(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None):
     return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
+
+
+def q4_gpu_kernel():
+    """The Triton bitmap-q4 kernel module (`serving.kernels.bitmap_q4_triton`) when Triton imports, else
+    None."""
+    try:
+        from serving.kernels import bitmap_q4_triton
+    except ImportError:
+        return None
+    return bitmap_q4_triton
+
+
+@torch.library.custom_op("leap_sparse::bitmap_q4_tiled_linear", mutates_args=())
+def bitmap_q4_tiled_linear(x: torch.Tensor, tensors: list[torch.Tensor], n_rows: int, n_cols: int,
+                           group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GPU kernel behind an opaque op (vLLM's torch.compile sees one call): `tensors` are
+    `Q4Tiles.tensors()` of a [n_rows, n_cols] weight with groups of `group_size` columns."""
+    kernel = q4_gpu_kernel()
+    if kernel is None:
+        raise RuntimeError("serving.kernels.bitmap_q4_triton is not importable (no triton)")
+    return kernel.q4_tiles_linear(x, kernel.Q4Tiles.from_tensors(tensors, n_rows, n_cols, group_size), bias)
+
+
+@bitmap_q4_tiled_linear.register_fake
+def _bitmap_q4_tiled_linear_fake(x, tensors, n_rows, n_cols, group_size, bias=None):
+    return x.new_empty((*x.shape[:-1], n_rows))
 
 
 def pruned_at_zero_by_default(asymmetric: bool) -> bool:
@@ -151,6 +180,11 @@ class Q4Weight:
 
     def dense(self) -> torch.Tensor:
         return decode(self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros)
+
+    def tiles(self):
+        """The GPU kernel's tile-major layout (`serving.kernels.bitmap_q4_triton.Q4Tiles`), made on this
+        weight's device."""
+        return q4_gpu_kernel().Q4Tiles.from_stored(self.tensors())
 
     def pairs(self, pruned_at_zero: bool | None = None) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups).

@@ -69,18 +69,44 @@ def load_masks(path: Path) -> MaskSet:
         raise LeapctlError(f"mask file {path} is not a readable safetensors file: {exc}") from None
     if metadata.get("format") != MASK_FORMAT:
         raise LeapctlError(f"{path} is not a leapctl mask file (format {metadata.get('format')!r})")
-    shapes = json.loads(metadata["shapes"])
+    shapes = _metadata_json(path, metadata, "shapes", dict)
     masks = {}
     for name, bits in packed.items():
-        if name not in shapes:
-            raise LeapctlError(f"mask file {path}: no shape recorded for {name}")
-        rows, cols = shapes[name]
+        rows, cols = _shape(path, shapes, name)
         if tuple(bits.shape) != (rows, (cols + 7) // 8) or bits.dtype != torch.uint8:
             raise LeapctlError(f"mask file {path}: {name} has packed shape {tuple(bits.shape)}, "
                                f"expected {(rows, (cols + 7) // 8)} for a {rows}x{cols} weight")
         masks[name] = unpack_rows(bits, cols)
-    extra = json.loads(metadata.get("extra", "{}"))
+    extra = _metadata_json(path, metadata, "extra", dict, default="{}")
     return MaskSet(masks=masks, model=metadata.get("model", ""), extra=extra)
+
+
+def _metadata_json(path: Path, metadata: dict, key: str, kind: type, default: str | None = None):
+    """A JSON entry of a mask file's metadata, refused in one line when it is missing, garbage or not a
+    `kind` (a file written by hand or damaged)."""
+    text = metadata.get(key, default)
+    if text is None:
+        raise LeapctlError(f"mask file {path}: its metadata has no {key!r}")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise LeapctlError(f"mask file {path}: its metadata's {key!r} is not valid JSON") from None
+    if not isinstance(value, kind):
+        raise LeapctlError(f"mask file {path}: its metadata's {key!r} is not a JSON "
+                           f"{'object' if kind is dict else kind.__name__}")
+    return value
+
+
+def _shape(path: Path, shapes: dict, name: str) -> tuple[int, int]:
+    """The recorded [rows, cols] of weight `name`: two positive integers."""
+    if name not in shapes:
+        raise LeapctlError(f"mask file {path}: no shape recorded for {name}")
+    shape = shapes[name]
+    if (not isinstance(shape, list) or len(shape) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+        raise LeapctlError(f"mask file {path}: the shape recorded for {name} is {shape!r}, not [rows, cols] "
+                           f"of two positive integers")
+    return shape[0], shape[1]
 
 
 def masked_weight(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -103,6 +129,14 @@ def apply_masks(model: torch.nn.Module, mask_set: MaskSet) -> None:
             raise LeapctlError(f"mask for {name} has shape {tuple(mask.shape)}, "
                                f"weight has {tuple(weight.shape)}")
         weight.copy_(masked_weight(weight, mask))
+
+
+def check_keeps_weights(mask_set: MaskSet, source: Path | str) -> None:
+    """Refuse masks that prune every weight of a layer: no pruning method writes them, and the model they
+    make (a layer that outputs only its bias) is broken, not sparse."""
+    for name, mask in mask_set.masks.items():
+        if not bool(mask.any()):
+            raise LeapctlError(f"the masks in {source} prune every weight of {name}; refusing to apply them")
 
 
 def check_sparsity(sparsity: float) -> None:

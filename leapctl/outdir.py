@@ -8,7 +8,9 @@ What it promises (the README's "Your files" section says the same):
   an export folder, recognised by their layout), and never when it is, or contains, one of the command's
   own inputs;
 - SIGTERM, SIGINT and SIGHUP during the write remove the temporary folder; a SIGKILL leaves it, and the
-  next command writing beside it removes it (it names it in one line) once its process is gone."""
+  next command writing beside it removes it (it names it in one line) once its process is gone;
+- once OUT is in place the command is done: in the CLI a stop signal after that exits 0;
+- files and folders get the modes of the user's umask (0644 and 0755 under 022), weights included."""
 
 import ctypes
 import errno
@@ -25,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from leapctl.errors import LeapctlError
+from leapctl.paths import check_creatable
 
 # The signals that stop a command and must not leave a temporary folder behind.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -63,6 +66,7 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Iterable[Path | str | N
         raise LeapctlError(f"output path {out} is a symbolic link; name the folder it points to")
     if out.exists() and not out.is_dir():
         raise LeapctlError(f"output path {out} exists and is not a folder")
+    check_creatable(out, f"output path {out}")
     target = out.resolve()
     for given in inputs:
         if given is not None and Path(given).exists() and _inside(Path(given).resolve(), target):
@@ -123,19 +127,68 @@ def atomic_output_dir(out: Path, overwrite: bool = False,
     check_output_dir(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-    with _stop_signals_raise():
+    with _StopSignals() as signals:
         try:
             yield tmp
         except BaseException as exc:
-            with _signals_blocked():
-                shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(exc, _Stopped):
-                    print(f"leapctl: stopped by signal {exc.code - 128}; {out} is as it was before",
-                          file=sys.stderr)
+            signals.holding = True
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, _Stopped):
+                print(f"leapctl: stopped by signal {exc.code - 128}; {out} is as it was before",
+                      file=sys.stderr)
             raise
-        with _signals_blocked():
-            _commit(tmp, out)
+        signals.holding = True
+        _set_modes(tmp)
+        _commit(tmp, out)
+        _IN_PLACE.append(out)
+
+
+# The output folders this process has put in place (see `exit_zero_once_written`).
+_IN_PLACE: list[Path] = []
+
+
+def exit_zero_once_written() -> None:
+    """For the CLI's process, whose command is done once its output folder is in place: from then on a stop
+    signal ends it with status 0 and one line (only the printed summary is lost); before that the signal
+    does what it always did (SIGINT: KeyboardInterrupt; SIGTERM, SIGHUP: the process ends by the signal)."""
+    _IN_PLACE.clear()  # a command's own output only (tests run several commands in one process)
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _stop_after_output)
+
+
+def _stop_after_output(signum: int, _frame) -> None:
+    if _IN_PLACE:
+        print(f"leapctl: signal {signum} arrived after {_IN_PLACE[-1]} was complete; exiting with status 0",
+              file=sys.stderr)
+        raise SystemExit(0)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
+def _set_modes(folder: Path) -> None:
+    """Give every file and folder the mode an ordinary file gets under the user's umask: safetensors writes
+    weights 0600 and mkdtemp makes folders 0700, while everything else is written 0644 under umask 022."""
+    mask = _umask()
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def _umask() -> int:
+    """The process's umask, read from /proc where it can be (setting it to read it races with threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _commit(tmp: Path, out: Path) -> None:
@@ -170,39 +223,32 @@ class _Stopped(SystemExit):
     """A stop signal arrived while an output folder was being written; exits with 128 + the signal."""
 
 
-def _raise_stopped(signum: int, _frame) -> None:
-    raise _Stopped(128 + signum)
+class _StopSignals:
+    """SIGTERM, SIGINT and SIGHUP while an output folder is written: raised as `_Stopped` while the work runs
+    (so the temporary folder is removed); once `holding` is set (the cleanup or the final exchange runs, and
+    from then on) recorded instead, so that neither is cut in half, and passed on to the handlers the caller
+    had when the block ends: the CLI's then exits 0, the output being complete (`exit_zero_once_written`).
+    Recorded by a handler, not masked: in a process with other threads, torch's among them, a masked signal
+    is delivered to another thread. Only the main thread can install handlers; elsewhere this does nothing."""
 
+    def __init__(self):
+        self.holding = False
+        self.held: list[int] = []
+        self.previous: dict = {}
 
-@contextmanager
-def _stop_signals_raise() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP become an exception (so the temporary folder is removed) while the block
-    runs; the previous handlers come back afterwards. Only the main thread can install handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.holding:
+            self.held.append(signum)
+            return
+        raise _Stopped(128 + signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-@contextmanager
-def _signals_blocked() -> Iterator[None]:
-    """Hold the stop signals while a cleanup or the final exchange runs, so neither is cut in half; a signal
-    that arrived meanwhile is raised again afterwards. (Recorded by a handler, not masked: in a process with
-    other threads, torch's among them, a masked signal is delivered to another thread.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if held:
-            signal.raise_signal(held[0])
+        if self.held:
+            signal.raise_signal(self.held[0])

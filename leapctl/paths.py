@@ -4,6 +4,8 @@ import os
 import uuid
 from pathlib import Path
 
+from leapctl.errors import LeapctlError
+
 
 def cache_dir() -> Path:
     """`$LEAPCTL_CACHE`, else `~/.cache/leapctl`; created on first use."""
@@ -28,6 +30,17 @@ def write_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def check_creatable(path: Path, label: str) -> None:
+    """Refuse, before any work, a path that cannot be created: its nearest existing ancestor must be a
+    writable folder (not a file, as in `--out notes.txt/run`)."""
+    parent = Path(path).absolute().parent
+    folder = next(p for p in (parent, *parent.parents) if p.exists())
+    if not folder.is_dir():
+        raise LeapctlError(f"{label}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LeapctlError(f"{label}: folder {folder} is not writable")
 
 
 def assets_dir() -> Path | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from leapctl import __version__
@@ -58,9 +59,12 @@ class Run:
         """The text the masks were calibrated or learned on, as the report names it (prune: its calibration
         entry; learn: its settings), None when they used none (magnitude) or the folder has no report."""
         calibration = self.report.get("calibration")
-        if isinstance(calibration, dict) and calibration.get("source"):
-            return calibration["source"]
-        return (self.report.get("settings") or {}).get("calib") or None
+        source = calibration.get("source") if isinstance(calibration, dict) else None
+        if isinstance(source, str) and source:
+            return source
+        settings = self.report.get("settings")
+        calib = settings.get("calib") if isinstance(settings, dict) else None
+        return calib if isinstance(calib, str) and calib else None
 
 
 def masks_file(run_dir: Path) -> Path | None:
@@ -94,14 +98,34 @@ def read_run(spec: str | Path, masks: Path | None = None) -> Run:
     if found is None:
         raise LeapctlError(f"{spec} is not a run folder from prune or learn (no {MASKS_FILE}); "
                            f"pass its masks with --masks FILE")
-    report_path = path / REPORT_FILE
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     scales_path = path / SCALES_FILE
-    scales = load_file(scales_path) if masks is None and scales_path.is_file() else None
+    scales = _tensors(scales_path) if masks is None and scales_path.is_file() else None
     zeros_path = path / ZEROS_FILE
-    zeros = load_file(zeros_path) if scales is not None and zeros_path.is_file() else None
-    return Run(spec=str(spec), path=path, masks_file=found.resolve(), masks=load_masks(found), report=report,
-               scales=scales, zeros=zeros)
+    zeros = _tensors(zeros_path) if scales is not None and zeros_path.is_file() else None
+    return Run(spec=str(spec), path=path, masks_file=found.resolve(), masks=load_masks(found),
+               report=read_report(path), scales=scales, zeros=zeros)
+
+
+def read_report(run_dir: Path) -> dict:
+    """The run's report.json ({} when it has none); one line when it is not a JSON object."""
+    path = Path(run_dir) / REPORT_FILE
+    if not path.is_file():
+        return {}
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise LeapctlError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(report, dict):
+        raise LeapctlError(f"{path} is not a run report (a JSON object), it holds a {type(report).__name__}")
+    return report
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A run's scales or zero points, refused in one line when the file is damaged."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise LeapctlError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 def save_run(out_dir: Path, model: torch.nn.Module, tokenizer, mask_set: MaskSet, report: dict,

@@ -6,6 +6,7 @@ So a default, a help text or a new setting is written in exactly one place."""
 import dataclasses
 import inspect
 import json
+import math
 import tomllib
 import types
 import typing
@@ -123,29 +124,55 @@ def read_config_file(path: Path, config_cls: type) -> dict[str, Any]:
 
 
 def _coerce(value: Any, annotation: Any, name: str, path: Path) -> Any:
-    """JSON/TOML values as the field's type (paths from strings, floats from integers)."""
+    """JSON/TOML values as the field's type (paths from strings, floats from integers); a value of another
+    type is refused, a boolean included where a number is expected (`nsamples = true` is not 1)."""
     base = _base_type(annotation)
     if value is None:
         return None
-    if base is Path:
+    expected = typing.get_origin(base) or base
+    if base is Path and isinstance(value, str):
         return Path(value)
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    expected = typing.get_origin(base) or base
-    if isinstance(expected, type) and not isinstance(value, expected):
-        raise LeapctlError(f"config file {path}: {name} should be {getattr(expected, '__name__', expected)}, "
-                           f"got {value!r}")
+    wrong = isinstance(value, bool) and expected is not bool
+    if base is Path or wrong or (isinstance(expected, type) and not isinstance(value, expected)):
+        name_of = "a path" if base is Path else getattr(expected, "__name__", expected)
+        raise LeapctlError(f"config file {path}: {name} should be {name_of}, got {value!r}")
+    item = typing.get_args(base)[0] if expected is list and typing.get_args(base) else None
+    if isinstance(item, type) and not all(isinstance(v, item) for v in value):
+        raise LeapctlError(f"config file {path}: {name} should be a list of {item.__name__}, got {value!r}")
     return value
+
+
+def check_values(config_cls: type, values: dict[str, Any], labels: dict[str, str]) -> None:
+    """The checks every setting gets wherever it came from (an option or --config FILE): a float is
+    finite, a bounded number is within its `min`/`max`. `labels` names each value's origin for the error."""
+    hints = typing.get_type_hints(config_cls)
+    for field in cli_fields(config_cls):
+        value = values.get(field.name)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        label = labels.get(field.name) or _flag_names(field, hints[field.name])[0].split("/")[0]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LeapctlError(f"{label} must be a finite number, got {value}")
+        low, high = field.metadata.get("min"), field.metadata.get("max")
+        if low is not None and value < low:
+            raise LeapctlError(f"{label} must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise LeapctlError(f"{label} must be <= {high}, got {value}")
 
 
 def config_from_cli(config_cls: type, given: dict[str, Any], ctx: typer.Context) -> Any:
     """The config object: the file's values (if `--config`), then every option the user typed."""
     file_path = given.pop(CONFIG_OPTION, None)
     values = read_config_file(file_path, config_cls) if file_path is not None else {}
+    labels = {name: f"config file {file_path}: {name}" for name in values}
     for name, value in given.items():
         source = ctx.get_parameter_source(name)
         if name not in values or getattr(source, "name", "") in ("COMMANDLINE", "ENVIRONMENT"):
             values[name] = value
+            labels.pop(name, None)
+    check_values(config_cls, values, labels)
     for field in cli_fields(config_cls):
         if _required(field) and values.get(field.name) is None:
             flag = _flag_names(field, None)[0]

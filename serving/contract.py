@@ -87,6 +87,8 @@ class LeapSparseSettings:
 
 def serving_problem(quantization_config: dict | None) -> str | None:
     """Why the plugin cannot serve a checkpoint with this `quantization_config`; None when it can."""
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        return f"not a {QUANT_METHOD} serving checkpoint (its quantization_config is not a JSON object)"
     method = (quantization_config or {}).get("quant_method")
     if method != QUANT_METHOD:
         return (f"not a {QUANT_METHOD} serving checkpoint (quant_method {method!r}); export it with "

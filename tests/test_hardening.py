@@ -1,5 +1,9 @@
 """Issue 44's hardening: `eval --json` replaces neither an input nor a stranger's file, a SIGKILLed
-`leapctl serve` takes its server's process group with it, and a failed `learn` leaves no state folder."""
+`leapctl serve` takes its server's process group with it, a failed `learn` leaves no state folder; one error
+boundary in the CLI (one line for every bad input, a traceback file for a bug), damaged files refused by the
+module that owns their format, `--config FILE` checked as the options are, a signal after the output is in
+place changes nothing, files written with the umask's modes. tests/test_fuzz.py runs the commands on a
+generated corpus of broken inputs."""
 
 import json
 import os
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import require_asset
+from test_export import pruned_run  # noqa: F401  (a fixture)
 
 from leapctl.errors import LeapctlError
 
@@ -202,12 +207,13 @@ def test_the_watchdog_passes_the_server_exit_status_on():
 
 @pytest.mark.parametrize("lr", ["nan", "inf", "0"])
 def test_learn_refuses_a_learning_rate_that_cannot_train(tmp_path, capsys, monkeypatch, lr):
-    """On main `--lr nan` passed the `<= 0` check. nan and inf: not finite; 0: not positive."""
+    """On main `--lr nan` passed the `<= 0` check. nan and inf: not finite (every float option's check);
+    0: not positive (learn's own)."""
     out = tmp_path / "run"
     status, stderr = run_cli(capsys, monkeypatch, "learn", tmp_path / "no-model", "--sparsity", "0.5",
                              "--out", out, "--lr", lr)
-    assert one_error_line(status, stderr) == (f"error: --lr must be a positive finite number, got "
-                                              f"{float(lr)}")
+    kind = "positive finite" if lr == "0" else "finite"
+    assert one_error_line(status, stderr) == f"error: --lr must be a {kind} number, got {float(lr)}"
     assert not out.exists() and not Path(f"{out}.learn-state").exists()
 
 
@@ -245,3 +251,311 @@ def test_only_a_state_folder_this_run_created_goes_on_failure(tmp_path, case):
             (state / CHECKPOINT_INDEX).write_text("{}")
         raise RuntimeError("the run fails")
     assert state.is_dir() == (case != "created")
+
+
+# ------------------------------------------------------------------ the CLI's one error boundary
+
+
+PRUNE_ARGS = ["prune", "m", "--method", "wanda", "--out", "o"]
+
+
+@pytest.mark.parametrize("args", [[*PRUNE_ARGS, "--sparsity", "0.5", "--bogus"], ["no-such-command"],
+                                  ["prune"], ["serve", "x", "--port", "70000"],
+                                  [*PRUNE_ARGS, "--sparsity", "half"]],
+                         ids=["option", "command", "argument", "range", "type"])
+def test_a_usage_error_is_one_line(capsys, monkeypatch, args):
+    """On main typer drew a 5-6 line box around a usage error."""
+    status, stderr = run_cli(capsys, monkeypatch, *args)
+    assert "leapctl" in one_error_line(status, stderr)
+
+
+def test_an_unexpected_error_is_one_line_naming_the_command_and_its_traceback_file(tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A bug (not a LeapctlError) prints one line, exit 1; the traceback is in the file the line names."""
+    import leapctl.commands.validate
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug\nwith a second line")
+
+    monkeypatch.setenv("LEAPCTL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(leapctl.commands.validate, "validate", broken)
+    status, stderr = run_cli(capsys, monkeypatch, "validate", tmp_path)
+    lines = stderr.strip().splitlines()
+    assert status == 1 and len(lines) == 1, stderr
+    assert lines[0].startswith("error: leapctl validate failed unexpectedly (ZeroDivisionError: a bug); "
+                               "the traceback is in "), lines[0]
+    written = Path(lines[0].rsplit(" ", 1)[1])
+    assert written.parent == tmp_path / "cache" / "tracebacks"
+    assert "Traceback" in written.read_text() and "ZeroDivisionError: a bug" in written.read_text()
+
+
+# ------------------------------------------------------------------ damaged inputs: one line from their owner
+
+
+def broken_masks(run: Path, folder: Path, **metadata: str | None) -> Path:
+    """The run's mask file with metadata entries replaced (None removes one)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from leapctl.runs import MASKS_FILE
+
+    source = run / MASKS_FILE
+    with safe_open(str(source), framework="pt") as handle:
+        meta = handle.metadata()
+    meta = {k: v for k, v in {**meta, **metadata}.items() if v is not None}
+    path = folder / "masks.safetensors"
+    save_file(load_file(str(source)), str(path), metadata=meta)
+    return path
+
+
+def first_shape(run: Path, shape) -> str:
+    from safetensors import safe_open
+
+    from leapctl.runs import MASKS_FILE
+
+    with safe_open(str(run / MASKS_FILE), framework="pt") as handle:
+        shapes = json.loads(handle.metadata()["shapes"])
+    return json.dumps({**shapes, next(iter(shapes)): shape})
+
+
+MASK_DAMAGE = {"no shapes": dict(shapes=None), "garbage shapes": dict(shapes="garbage"),
+               "shapes a list": dict(shapes="[1, 2]"), "garbage extra": dict(extra="{")}
+
+
+@pytest.mark.parametrize("damage", [*MASK_DAMAGE, "3-D shape", "string shape"])
+def test_a_mask_file_with_damaged_metadata_is_one_line(pruned_run, tmp_path, damage):  # noqa: F811
+    """On main: KeyError, JSONDecodeError, 'too many values to unpack', TypeError."""
+    from leapctl.masks import load_masks
+
+    edits = MASK_DAMAGE.get(damage) or dict(shapes=first_shape(pruned_run, [1, 2, 3] if damage == "3-D shape"
+                                                               else ["a", "b"]))
+    with pytest.raises(LeapctlError, match="mask file .*masks.safetensors"):
+        load_masks(broken_masks(pruned_run, tmp_path, **edits))
+
+
+@pytest.mark.parametrize("report", ["{not json", "[1, 2]"])
+def test_a_run_report_that_is_not_a_json_object_is_one_line(pruned_run, tmp_path, report):  # noqa: F811
+    from leapctl.runs import read_run
+
+    run = shutil.copytree(pruned_run, tmp_path / "run")
+    (run / "report.json").write_text(report)
+    with pytest.raises(LeapctlError, match="report.json is not"):
+        read_run(run)
+
+
+def test_export_of_a_truncated_checkpoint_is_one_line(pruned_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    run = shutil.copytree(pruned_run, tmp_path / "run")
+    weights = run / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    status, stderr = run_cli(capsys, monkeypatch, "export", run, "--format", "bitmap", "--out",
+                             tmp_path / "e")
+    assert "cannot read" in one_error_line(status, stderr)
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.fixture(scope="module")
+def bitmap_export(pruned_run, tmp_path_factory) -> Path:  # noqa: F811
+    from leapctl.commands.export import export
+
+    out = tmp_path_factory.mktemp("export") / "bitmap"
+    export(str(pruned_run), "bitmap", out)
+    return out
+
+
+def restamped(export_dir: Path, tmp_path: Path, edit_manifest=None, config=None) -> Path:
+    """A copy of the export with its manifest edited, or config.json replaced and re-hashed into it."""
+    from leapctl.exporters.base import sha256_file
+
+    copy = shutil.copytree(export_dir, tmp_path / "export")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    if config is not None:
+        (copy / "config.json").write_text(config)
+        manifest["files"]["config.json"] = {"sha256": sha256_file(copy / "config.json"),
+                                            "bytes": (copy / "config.json").stat().st_size}
+    if edit_manifest is not None:
+        edit_manifest(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+MANIFEST_DAMAGE = {
+    "no layers": lambda m: m.pop("layers"),
+    "no source": lambda m: m.pop("source"),
+    "no dense_tensors": lambda m: m.pop("dense_tensors"),
+    "a files entry is a number": lambda m: m["files"].__setitem__("config.json", 5),
+    "a files entry lacks bytes": lambda m: m["files"]["config.json"].pop("bytes"),
+    "layers a list": lambda m: m.__setitem__("layers", [1]),
+}
+
+
+@pytest.mark.parametrize("damage", MANIFEST_DAMAGE)
+def test_a_manifest_lacking_what_validate_and_serve_read_is_one_line(bitmap_export, tmp_path, damage):
+    """On main validate (and serve, for the files entries) failed with KeyError, TypeError, AttributeError."""
+    from leapctl.commands.serve import check_export
+    from leapctl.commands.validate import validate
+
+    damaged = restamped(bitmap_export, tmp_path, MANIFEST_DAMAGE[damage])
+    for check in (lambda: validate(damaged, end_to_end=False), lambda: check_export(damaged)):
+        with pytest.raises(LeapctlError, match="manifest.json is damaged"):
+            check()
+
+
+def drop_heads(text: str) -> str:
+    return json.dumps({k: v for k, v in json.loads(text).items() if k != "num_attention_heads"})
+
+
+@pytest.mark.parametrize("config", ["garbage", "[1]", "no heads", "quantization_config 5"])
+def test_a_rehashed_export_config_that_builds_no_model_fails_in_one_line(bitmap_export, tmp_path, config):
+    """validate reports a failed check (exit 1), serve refuses (exit 2); on main both raised tracebacks."""
+    from leapctl.commands.serve import check_export
+    from leapctl.commands.validate import validate
+
+    original = (bitmap_export / "config.json").read_text()
+    text = {"no heads": drop_heads(original),
+            "quantization_config 5": json.dumps({**json.loads(original), "quantization_config": 5})
+            }.get(config, config)
+    damaged = restamped(bitmap_export, tmp_path, config=text)
+    report = validate(damaged, max_new_tokens=2)
+    assert [c.kind for c in report.failures] == ["logits"], report.failures
+    assert "config.json" in report.failures[0].detail
+    with pytest.raises(LeapctlError, match="config.json|quantization_config"):
+        check_export(damaged)
+
+
+@pytest.mark.parametrize("command", ["prune", "export", "apply-mask"])
+def test_an_out_under_a_file_fails_before_the_work(pruned_run, stories260k_dir, tmp_path, capsys,  # noqa: F811
+                                                   monkeypatch, command):
+    """On main prune and apply-mask loaded, pruned and then failed with FileExistsError; export too."""
+    import leapctl.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before --out was checked")
+
+    monkeypatch.setattr(leapctl.models, "load_model", no_loading)
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    out = afile / "run"
+    args = {"prune": ["prune", stories260k_dir, "--method", "magnitude", "--sparsity", "0.5"],
+            "export": ["export", pruned_run, "--format", "bitmap"],
+            "apply-mask": ["apply-mask", stories260k_dir, pruned_run]}[command]
+    status, stderr = run_cli(capsys, monkeypatch, *args, "--out", out)
+    assert one_error_line(status, stderr) == f"error: output path {out}: {afile} is not a folder"
+
+
+def test_validate_refuses_a_negative_token_count(bitmap_export, capsys, monkeypatch):
+    status, stderr = run_cli(capsys, monkeypatch, "validate", bitmap_export, "--max-new-tokens", "-5")
+    assert "--max-new-tokens" in one_error_line(status, stderr)
+
+
+# ------------------------------------------------------------------ --config FILE: the options' checks
+
+
+@pytest.mark.parametrize("command, text, expected", [
+    (["prune", "m", "--method", "wanda", "--sparsity", "0.5", "--out", "o"], "nsamples = true",
+     "nsamples should be int, got True"),
+    (["serve", "x"], "port = 70000", "port must be <= 65535, got 70000"),
+    (["learn", "m", "--sparsity", "0.5", "--out", "o"], "lr = nan", "lr must be a finite number, got nan"),
+    (["export", "r", "--format", "bitmap"], "out = 5", "out should be a path, got 5"),
+    (["eval", "m"], 'ppl = ["a", 3]', "ppl should be a list of str, got ['a', 3]"),
+], ids=["bool for int", "port range", "nan", "number for path", "list items"])
+def test_a_config_file_gets_the_checks_the_options_get(tmp_path, capsys, monkeypatch, command, text,
+                                                       expected):
+    """On main `nsamples = true` ran with one sample and `port = 70000` reached vLLM."""
+    config = tmp_path / "settings.toml"
+    config.write_text(text + "\n")
+    status, stderr = run_cli(capsys, monkeypatch, *command, "--config", config)
+    assert one_error_line(status, stderr) == f"error: config file {config}: {expected}"
+
+
+def test_an_option_out_of_range_or_not_finite_is_refused_by_the_same_check(capsys, monkeypatch):
+    status, stderr = run_cli(capsys, monkeypatch, "recover", "r", "--out", "o", "--lr", "inf")
+    assert one_error_line(status, stderr) == "error: --lr must be a finite number, got inf"
+
+
+# ------------------------------------------------------------------ a signal after the exchange: exit 0
+
+SIGNAL_AT = """
+import os, signal, sys
+point = sys.argv[1]
+def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_qualname == point:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGTERM)
+sys.setprofile(hook)
+from leapctl.cli import main
+sys.argv = ["leapctl", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("point", ["_commit", "echo"], ids=["during the exchange", "after it"])
+def test_a_signal_after_the_output_is_complete_exits_0(stories260k_dir, pruned_run, tmp_path,  # noqa: F811
+                                                       point):
+    """On main SIGTERM in the final exchange ended the command with 143 and no word, the folder complete."""
+    from leapctl.runs import read_run
+
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AT, point, "apply-mask", str(stories260k_dir),
+                           str(pruned_run), "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"after {out} was complete" in done.stderr
+    assert read_run(out).masks.masks.keys() == read_run(pruned_run).masks.masks.keys()
+
+
+def test_without_an_output_a_signal_still_ends_the_command(tmp_path):
+    """The CLI's handler changes nothing before the output is in place: SIGTERM ends the process by it."""
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AT, "read_config_file", "prune", "m", "--method",
+                           "wanda", "--sparsity", "0.5", "--out", str(tmp_path / "o"), "--config",
+                           str(tmp_path / "none.json")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+
+
+# ------------------------------------------------------------------ smaller
+
+
+def test_max_shard_size_0_is_refused(pruned_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """On main it wrote one shard per module."""
+    status, stderr = run_cli(capsys, monkeypatch, "export", pruned_run, "--format", "bitmap", "--out",
+                             tmp_path / "e", "--max-shard-size", "0")
+    assert "less than one byte" in one_error_line(status, stderr)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_every_written_file_gets_the_umask_mode_weights_included(tmp_path, umask):
+    """On main safetensors' weights were 0600 beside 0644 text files."""
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from leapctl.outdir import atomic_output_dir
+
+    before = os.umask(umask)
+    try:
+        with atomic_output_dir(tmp_path / "out") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "notes.txt").write_text("x")
+    finally:
+        os.umask(before)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode)
+             for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
+    assert modes == {"out": 0o777 & ~umask, "out/sub": 0o777 & ~umask,
+                     "out/model.safetensors": 0o666 & ~umask, "out/sub/notes.txt": 0o666 & ~umask}
+
+
+def test_apply_mask_refuses_masks_that_prune_a_whole_layer(pruned_run, stories260k_dir, tmp_path,  # noqa: F811
+                                                            capsys, monkeypatch):
+    from leapctl.masks import load_masks, save_masks
+    from leapctl.runs import MASKS_FILE
+
+    masks = load_masks(pruned_run / MASKS_FILE)
+    first = next(iter(masks.masks))
+    masks.masks[first] = masks.masks[first] & False
+    path = tmp_path / "masks.safetensors"
+    save_masks(path, masks)
+    status, stderr = run_cli(capsys, monkeypatch, "apply-mask", stories260k_dir, path, "--out",
+                             tmp_path / "o")
+    assert f"prune every weight of {first}" in one_error_line(status, stderr)
+    assert not (tmp_path / "o").exists()

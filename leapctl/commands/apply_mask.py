@@ -27,7 +27,7 @@ Config = ApplyMaskConfig
 def run(config: ApplyMaskConfig) -> dict:
     """Load MODEL in its checkpoint's own dtype, zero the weights the masks prune and write a run folder
     atomically; returns the report."""
-    from leapctl.masks import MaskSet, load_masks
+    from leapctl.masks import MaskSet, check_keeps_weights, load_masks
     from leapctl.models import checkpoint_dtype, load_model
     from leapctl.outdir import atomic_output_dir, check_output_dir
     from leapctl.runs import mask_source, save_run
@@ -36,6 +36,7 @@ def run(config: ApplyMaskConfig) -> dict:
     check_output_dir(Path(config.out), config.overwrite, inputs)  # fail before the slow part
     masks_path = mask_source(config.masks)
     mask_set = load_masks(masks_path)
+    check_keeps_weights(mask_set, masks_path)
     model, tokenizer = load_model(config.model, dtype=checkpoint_dtype(config.model))
     report = {"command": "apply-mask", "masks_file": str(masks_path), "masks_model": mask_set.model,
               "masks_extra": mask_set.extra}

@@ -2,13 +2,12 @@
 `run(EvalConfig(...))` returns the results; `leapctl.eval` has the measurements themselves."""
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from leapctl.errors import LeapctlError
 from leapctl.eval.config import EvalConfig
-from leapctl.paths import write_text_atomically
+from leapctl.paths import check_creatable, write_text_atomically
 
 NAME = "eval"
 HELP = ("Perplexity (non-overlapping windows, as the pruning papers measure WikiText-2) and zero-shot "
@@ -74,12 +73,7 @@ def _check_json_out(path: Path, overwrite: bool, inputs: Iterable[Path]) -> None
         if not overwrite and not _is_eval_result(path):
             raise LeapctlError(f"--json {path} exists and is not an earlier eval result (use --overwrite to "
                                f"replace it)")
-    parent = path.absolute().parent
-    folder = next(p for p in (parent, *parent.parents) if p.exists())  # write_text_atomically makes the rest
-    if not folder.is_dir():
-        raise LeapctlError(f"--json {path}: {folder} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise LeapctlError(f"--json {path}: folder {folder} is not writable")
+    check_creatable(path, f"--json {path}")  # write_text_atomically makes the missing folders
 
 
 def _is_eval_result(path: Path) -> bool:

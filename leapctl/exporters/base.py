@@ -102,6 +102,7 @@ class Exporter(ABC):
     summary: str = ""
     value_dtypes: tuple[torch.dtype, ...] = ()  # dtypes the format can store; () means any float dtype
     servable: bool = False  # `leapctl serve` loads it
+    manifest_lists: tuple[str, ...] = ()  # lists of names its manifest must hold (read_manifest checks them)
 
     @abstractmethod
     def write(self, source: Run, out: Path, options: ExportOptions) -> Written:
@@ -150,8 +151,15 @@ def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint, in index order when sharded."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in dict.fromkeys(weight_map.values())]
+        try:
+            names = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, no map, not a map
+            raise LeapctlError(f"{index} is not a safetensors index (a JSON object with a weight_map)"
+                               ) from None
+        if not all(isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+                   for name in names):
+            raise LeapctlError(f"{index} names a weight file that is not a plain file name in {folder}")
+        return [folder / name for name in names]
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
@@ -179,13 +187,16 @@ def pruned_dtype(source: Run) -> torch.dtype:
     """The stored dtype of the source's pruned weights (what a cast decision is about), read from the
     safetensors headers without loading any tensor."""
     for file in weight_files(source.path):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in source.masks.masks:
-                if name in handle.keys():
-                    stored = handle.get_slice(name).get_dtype()
-                    if stored not in SAFETENSORS_DTYPES:
-                        raise LeapctlError(f"{source.spec}: {name} is stored as {stored}, not a float dtype")
-                    return SAFETENSORS_DTYPES[stored]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                stored = {name: handle.get_slice(name).get_dtype() for name in source.masks.masks
+                          if name in handle.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise LeapctlError(f"cannot read {file}: {exc}") from None
+        for name, dtype in stored.items():
+            if dtype not in SAFETENSORS_DTYPES:
+                raise LeapctlError(f"{source.spec}: {name} is stored as {dtype}, not a float dtype")
+            return SAFETENSORS_DTYPES[dtype]
     raise LeapctlError(f"the masks of {source.spec} name no weight of its checkpoint")
 
 
@@ -215,7 +226,10 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "B")
     base = 1024 if "I" in unit else 1000
     power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
-    return int(number * base**power)
+    size = int(number * base**power)
+    if size < 1:  # 0 would put every module in a shard of its own
+        raise LeapctlError(f"the size {text!r} is less than one byte")
+    return size
 
 
 class ShardWriter:

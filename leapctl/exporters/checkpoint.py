@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from leapctl.compute import dtype_name
-from leapctl.errors import LeapctlError
+from leapctl.errors import LeapctlError, one_line
 from leapctl.exporters.base import (
     INDEX_FILE,
     Exporter,
@@ -39,6 +39,7 @@ class SparseCheckpointExporter(Exporter):
 
     codec_name: str = ""
     stored_names: dict[str, str] = {}  # codec tensor name -> name on disk, where they differ
+    manifest_lists = ("weight_files", "dense_tensors")
 
     @abstractmethod
     def quantization_config(self, source: Run, ignore: list[str], sparsity: float,
@@ -141,8 +142,8 @@ class SparseCheckpointExporter(Exporter):
         index_path = export_dir / INDEX_FILE
         if index_path.is_file():
             try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+                weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as exc:  # not JSON, no map, not a map
                 report.add("tensors", INDEX_FILE, False, f"unreadable index: {exc}")
         tensors: dict[str, torch.Tensor] = {}
         located: dict[str, str] = {}
@@ -271,14 +272,21 @@ class SparseCheckpointExporter(Exporter):
         """The export decoded back into an ordinary transformers model, built from the export's own config."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(export_dir)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:  # the export's config.json may be anything (re-hashed into the manifest by hand)
+            config = AutoConfig.from_pretrained(export_dir)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except Exception as exc:  # transformers raises many types for a config it cannot use
+            raise LeapctlError(f"no model can be built from {export_dir}/config.json: "
+                               f"{one_line(exc)}") from None
         encoded = {name for info in manifest["layers"].values() for name in info["tensors"]}
         state = {name: t for name, t in tensors.items() if name not in encoded}
         state.update({f"{layer}.weight": weight for layer, weight in layers.items()})
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # shapes that differ from the config's
+            raise LeapctlError(f"the decoded export does not fit its config.json: {one_line(exc)}") from None
         if getattr(config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
             missing = [m for m in missing if not m.startswith("lm_head.")]

@@ -15,7 +15,7 @@ import torch
 from leapctl import __version__
 from leapctl.compute import dtype_name
 from leapctl.errors import LeapctlError
-from leapctl.exporters.base import MANIFEST_FILE, MANIFEST_FORMAT, Report, Written, sha256_file
+from leapctl.exporters.base import EXPORTERS, MANIFEST_FILE, MANIFEST_FORMAT, Report, Written, sha256_file
 from leapctl.runs import Run
 
 
@@ -82,7 +82,52 @@ def read_manifest(export_dir: Path) -> dict:
         if not plain_name(name):
             raise LeapctlError(f"{path} lists the file {name!r}, which is not a plain relative name inside "
                                f"the folder; refusing to open it")
+    problem = _structure_problem(manifest)
+    if problem:
+        raise LeapctlError(f"{path} is damaged: {problem}")
     return manifest
+
+
+def _structure_problem(manifest: dict) -> str:
+    """What keeps validate and serve from reading the manifest ('' when nothing): an entry missing or of the
+    wrong type, at the top, in a listed file or in a layer; the lists the format's exporter reads."""
+    kinds = {"format": str, "source": dict, "masks": dict, "files": dict, "layers": dict}
+    exporter = EXPORTERS.get(manifest.get("format"))  # an unknown format is named by get_exporter
+    kinds |= dict.fromkeys(exporter.manifest_lists if exporter is not None else (), list)
+    for key, kind in kinds.items():
+        if not isinstance(manifest.get(key), kind):
+            return f"{key!r} is {_what(manifest.get(key))}, not a JSON {_JSON_KIND[kind]}"
+    for key, inner in (("source", "path"), ("masks", "file")):
+        if not isinstance(manifest[key].get(inner), str):
+            return f"{key!r} names no {inner}"
+    for name, info in manifest["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and _count(info.get("bytes"))):
+            return f"the entry of file {name!r} is {_what(info)}, not {{\"sha256\": ..., \"bytes\": ...}}"
+    for layer, info in manifest["layers"].items():
+        if not (isinstance(info, dict) and _strings(info.get("tensors"))
+                and isinstance(info.get("shape"), list) and len(info["shape"]) == 2
+                and all(_count(n) for n in info["shape"])
+                and isinstance(info.get("density", 0), int | float)):
+            return f"the entry of layer {layer!r} lacks its tensors, shape [rows, cols] or density"
+    for key in exporter.manifest_lists if exporter is not None else ():
+        if not _strings(manifest[key]):
+            return f"{key!r} is not a list of names"
+    return ""
+
+
+_JSON_KIND = {str: "string", dict: "object", list: "list"}
+
+
+def _what(value: object) -> str:
+    return "missing" if value is None else f"a {type(value).__name__}"
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
 def plain_name(name: object) -> bool:

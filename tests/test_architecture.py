@@ -112,6 +112,21 @@ def test_a_command_module_imports_no_other_command_module():
     assert not graph["leapctl.commands"], "leapctl.commands must import no command (cli.COMMANDS lists them)"
 
 
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize(("package", "other"), [("leapctl.learn", "leapctl.quantize"),
+                                                ("leapctl.quantize", "leapctl.learn")])
+def test_learn_and_quantize_do_not_import_each_other(package, other):
+    """What both use (the distillation loss, the schedules, the 4-bit grid) lives below them in
+    `leapctl.distill`, `leapctl.schedule` and `leapctl.grid`, so either changes without the other."""
+    graph = leapctl_import_graph()
+    for name in sorted(module for module in graph if _inside(module, package)):
+        crossing = {module for module in graph[name] if _inside(module, other)}
+        assert not crossing, f"{name} imports {crossing}"
+
 def test_every_command_has_the_same_parts_and_is_listed_once():
     import dataclasses
 

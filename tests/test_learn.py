@@ -26,10 +26,10 @@ from leapctl.learn.mask import (
     noise_seed,
     soft_mask,
 )
-from leapctl.learn.schedule import cosine_with_warmup, linear, magnitude_decay, mask_temperature
 from leapctl.learn.stream import WindowStream
 from leapctl.masks import load_masks
 from leapctl.runs import LOGITS_FILE, MASKS_FILE
+from leapctl.schedule import cosine_with_warmup, linear, magnitude_decay, mask_temperature
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

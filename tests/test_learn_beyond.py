@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from leapctl.learn.loss import language_model_and_distillation
+from leapctl.distill import language_model_and_distillation
 from leapctl.learn.mask import MaskState, attach_masks
 from leapctl.learn.reconstruct import reconstruct_weights, refit_rows
 

@@ -94,20 +94,32 @@ def test_every_collective_tensor_lives_on_the_training_device(setup, one_process
     assert learned.sparsity()["global"] == 0.5
 
 
-def test_the_process_group_has_a_backend_for_each_device_type(monkeypatch):
-    """Under torchrun on GPUs the group gets gloo for CPU tensors and NCCL for CUDA ones."""
+def test_the_device_is_bound_before_the_group_which_has_a_backend_per_device_type_and_a_timeout(monkeypatch):
+    """Under torchrun on GPUs: the local rank's GPU is bound before the group starts; the group gets gloo for
+    CPU tensors and NCCL for CUDA ones, the bound device and the configured timeout."""
+    import datetime
+
     calls = []
-    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(backend))
+
+    def init_process_group(backend, timeout, device_id):
+        calls.append(("group", backend, timeout, device_id))
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("bind", device)))
     monkeypatch.setenv("LOCAL_RANK", "1")
-    device = processes.start_processes("cuda", world=2)
-    assert calls == ["cpu:gloo,cuda:nccl"] and device == torch.device("cuda", 1)
+    device = processes.bind_device("cuda", world=2)
+    processes.start_group(device, 2, 600)
+    assert device == torch.device("cuda", 1)
+    ten_minutes = datetime.timedelta(seconds=600)
+    assert calls == [("bind", device), ("group", "cpu:gloo,cuda:nccl", ten_minutes, device)]
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert processes.start_processes(_config().device, world=2) == torch.device("cpu") and calls == ["gloo"]
+    cpu = processes.bind_device(_config().device, world=2)
+    processes.start_group(cpu, 2, 30)
+    assert cpu == torch.device("cpu") and calls == [("group", "gloo", datetime.timedelta(seconds=30), None)]
 
 
 # ---------------------------------------------------------------- 2. optimizer state through load_state_dict

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from leapctl.grid import group_error, rtn_quantize, search_scales
 from leapctl.quantize.gptq import gptq_quantize
-from leapctl.quantize.rtn import group_error, rtn_quantize, search_scales
 from sparse_formats import get_format
 from sparse_formats.bitmap_q4 import absmax_scales
 
@@ -109,10 +109,10 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
     the scales learn in fp32 and the weights are rebuilt from them in fp32."""
     from test_serve_cli import magnitude_masks
 
-    from leapctl.learn.loss import language_model_and_distillation
+    from leapctl.distill import language_model_and_distillation
     from leapctl.masks import MaskSet, apply_masks
     from leapctl.models import load_model
-    from leapctl.quantize import LM_HEAD, quantize_lm_head, quantize_model
+    from leapctl.quantize import LM_HEAD, quantize_lm_head, quantize_weights
     from leapctl.quantize.tune import normalisation_weights, tune_scales
     from sparse_formats.bitmap_q4 import GRID_OFFSET
 
@@ -122,7 +122,7 @@ def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_
     masks = {name: mask for name, mask in magnitude_masks(model, 0.5).items() if "down_proj" not in name}
     mask_set = MaskSet(masks=masks, model=str(stories260k_dir))
     apply_masks(model, mask_set)
-    scales, _ = quantize_model(model, mask_set, "rtn", 64)
+    scales, _ = quantize_weights(model, mask_set, "rtn", 64)
     scales[LM_HEAD], _ = quantize_lm_head(model, 4, 64)  # tied to the input embedding: the tie must hold
     masks[LM_HEAD] = torch.ones(model.lm_head.weight.shape, dtype=torch.bool)
 
@@ -164,7 +164,7 @@ def test_scale_tuning_with_checkpointing_recomputes_blocks_and_learns_the_same_s
 
     from leapctl.masks import MaskSet, apply_masks
     from leapctl.models import load_model
-    from leapctl.quantize import quantize_model
+    from leapctl.quantize import quantize_weights
     from leapctl.quantize.tune import tune_scales
 
     teacher, _ = load_model(str(stories260k_dir), dtype=torch.float32)
@@ -175,7 +175,7 @@ def test_scale_tuning_with_checkpointing_recomputes_blocks_and_learns_the_same_s
         masks = {name: mask for name, mask in magnitude_masks(model, 0.5).items() if "down_proj" not in name}
         mask_set = MaskSet(masks=masks, model=str(stories260k_dir))  # down_proj: 172 columns, no group of 64
         apply_masks(model, mask_set)
-        scales, _ = quantize_model(model, mask_set, "rtn", 64)
+        scales, _ = quantize_weights(model, mask_set, "rtn", 64)
         block = model.model.layers[0]
         calls = []
         # a pre-hook: a recompute stops once it has the tensors the backward needs, before the block's end
@@ -274,6 +274,24 @@ def test_the_tuning_is_reported_and_plotted(quantized_run):
     assert tuning["kl_last_10"] < tuning["kl_first"]
     assert (quantized_run / "tune_kl.png").stat().st_size > 0
 
+
+def test_quantize_model_is_the_commands_whole_job_in_one_call(wanda_run, quantized_run):
+    """Property: `quantize_model` in memory, on the run and settings the command had, gives the very scales,
+    zero points and tuning curve the command wrote (GPTQ, lm_head, tuning: nothing left in the command)."""
+    from leapctl.models import load_model
+    from leapctl.quantize import QuantizeConfig, quantize_model
+    from leapctl.runs import read_run
+
+    source, written = read_run(str(wanda_run)), read_run(str(quantized_run))
+    model, tokenizer = load_model(str(wanda_run), dtype=torch.float32)
+    config = QuantizeConfig(run=str(wanda_run), out=Path("unused"), nsamples=8, seq_len=64,
+                            tune_steps=TUNE_STEPS, calib=source.calibration_source, progress=False)
+    done = quantize_model(model, tokenizer, source.masks, config)
+    assert done.quantization == written.quantization
+    assert done.tuning["kl"] == json.loads((quantized_run / "report.json").read_text())["tuning"]["kl"]
+    for ours, theirs in ((done.scales, written.scales), (done.zeros, written.zeros)):
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
 
 def test_the_export_validates_against_the_quantized_run(q4_export):
     done = leapctl("validate", str(q4_export))

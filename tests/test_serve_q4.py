@@ -33,7 +33,7 @@ def q4_checkpoint(root, stories260k_dir, head_bits: int, grid: str = "symmetric"
 
     from leapctl.commands.export import export
     from leapctl.masks import MaskSet, apply_masks
-    from leapctl.quantize import LM_HEAD, quantization_entry, quantize_lm_head, quantize_model
+    from leapctl.quantize import LM_HEAD, quantization_entry, quantize_lm_head, quantize_weights
     from leapctl.runs import save_run
 
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -43,7 +43,7 @@ def q4_checkpoint(root, stories260k_dir, head_bits: int, grid: str = "symmetric"
     model = AutoModelForCausalLM.from_config(config).eval()
     masks = MaskSet(masks=magnitude_masks(model, 0.5), model="tiny-llama")
     apply_masks(model, masks)
-    scales, zeros = quantize_model(model, masks, "rtn", 64, grid=grid)
+    scales, zeros = quantize_weights(model, masks, "rtn", 64, grid=grid)
     scales[LM_HEAD], head_zeros = quantize_lm_head(model, head_bits, 64, grid)  # tied: the embedding too
     if head_zeros is not None:
         zeros[LM_HEAD] = head_zeros

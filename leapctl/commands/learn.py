@@ -8,15 +8,18 @@ the initial mask and writes the run folder."""
 
 import contextlib
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from leapctl.learn.config import LearnConfig
+
+if TYPE_CHECKING:
+    from leapctl.learn.plan import MemoryPlan
 
 NAME = "learn"
 HELP = ("Learn a LEAP mask for MODEL at --sparsity and write the pruned checkpoint, masks, report and plots "
@@ -26,63 +29,109 @@ Config = LearnConfig
 
 @dataclass
 class LearnResult:
-    out: Path | None  # the finished run folder; None when interrupted
+    out: Path | None  # the finished run folder (rank 0); None when interrupted, on other ranks, with --plan
     steps_done: int
     interrupted_by: int = 0  # the signal number that stopped the run early, 0 when it finished
     state_dir: Path | None = None
+    plan: "MemoryPlan | None" = None  # with --plan: the memory plan, and nothing else was done
 
 
 def run(config: LearnConfig) -> LearnResult:
-    """Learn a LEAP mask as `config` says; writes the run folder (rank 0) and returns where."""
-    import torch.distributed as dist
+    """Learn a LEAP mask as `config` says; writes the run folder (rank 0) and returns where. Refuses, before
+    loading anything, a run whose memory plan does not fit the device; with `plan` returns only the plan.
+
+    Under torchrun, rank 0 tokenises, computes Wanda and the dense perplexities before the process group
+    starts (the others wait to join it, up to --dist-timeout-s) and writes the report after it ends, so no
+    collective ever waits on work of one process."""
     from transformers.utils import logging as transformers_logging
 
-    from leapctl.errors import LeapctlError
-    from leapctl.learn.heldout import perplexities, report_entry, run_texts
-    from leapctl.learn.processes import shutdown, start_processes
+    from leapctl.compute import DTYPES
+    from leapctl.learn.heldout import perplexities, run_texts
+    from leapctl.learn.processes import bind_device, shutdown, start_group, world_from_environment
     from leapctl.learn.start import quantize_frozen
     from leapctl.learn.train import LearnInterrupted, autocast_on, train
     from leapctl.models import load_model
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    config = config.checked(world)  # resolved and validated once, here
-    if config.out is None:
-        raise LeapctlError("learn needs --out")
-    device = start_processes(config.device, world)
-    distributed = world > 1
-    master = not distributed or dist.get_rank() == 0
+    world, rank = world_from_environment()
+    if config.plan:
+        planned = config.world_size or world
+        return LearnResult(out=None, steps_done=0, plan=_fitting_plan(config.checked(planned), planned))
+    config = _checked(config, world)  # resolved and validated once, here
+    device = bind_device(config.device, world)  # before the process group, so NCCL starts on this GPU
+    _fitting_plan(config, world)
+    distributed, master = world > 1, rank == 0
     fingerprint = config.fingerprint(autocast_on(config, device))
     _refuse_bad_starts(config, fingerprint)
 
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
     with _new_state_removed_on_failure(config.state_dir(), master):
-        model, tokenizer = load_model(config.model, device=device)
+        model, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype], device=device)
         scales = quantize_frozen(model, config)
-        corpus, init = _token_stream_and_initial_mask(config, model, tokenizer, master, distributed, device)
+        init = _prepare_start(config, model, tokenizer, device, distributed) if master else None
         texts = run_texts(config, model, tokenizer) if master else {}
         dense_ppl = perplexities(model, texts, config.seq_len, config.progress)
+        start_group(device, world, config.dist_timeout_s)
+        corpus, init = _read_start(config, distributed, master, init)
         try:
             learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint)
         except LearnInterrupted as stop:
             shutdown(distributed)
             return LearnResult(out=None, steps_done=stop.steps_done, interrupted_by=stop.signal_number,
                                state_dir=config.state_dir())
-    if master:
-        if distributed and config.fsdp:  # the trained model is sharded: rank 0 prunes a fresh copy
-            from leapctl.learn.train import finish_weights
-
-            model, _ = load_model(config.model, device=device)
-            quantize_frozen(model, config)
-            finish_weights(model, learned, corpus, config)
-        sparse_ppl = perplexities(model.eval(), texts, config.seq_len, config.progress)
-        heldout = report_entry(config, dense_ppl, sparse_ppl) if texts else None
-        _write_run(config, model.to("cpu"), tokenizer, learned, scales, heldout)
-        _clear_state_after_success(config)
-    shutdown(distributed)
+    shutdown(distributed)  # every collective is done: rank 0 alone writes the run
+    if not master:  # rank 0 writes the run after the group has ended: nothing to wait for
+        return LearnResult(out=None, steps_done=config.steps, state_dir=config.state_dir())
+    _finish_and_write(config, model, tokenizer, learned, corpus, scales, texts, dense_ppl, device,
+                      sharded=distributed and config.fsdp)
     return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=config.state_dir())
 
 
+def _checked(config: LearnConfig, world: int) -> LearnConfig:
+    """`config` resolved and validated for a real run (which, unlike --plan, needs --out)."""
+    from leapctl.errors import LeapctlError
+
+    if config.out is None:
+        raise LeapctlError("missing option --out (give it on the command line or in --config FILE)")
+    return config.checked(world)
+
+
+def _fitting_plan(config: LearnConfig, world: int) -> "MemoryPlan":
+    """The memory plan of a checked `config`; one line (LeapctlError) when it does not fit the device."""
+    from leapctl.errors import LeapctlError
+    from leapctl.learn.plan import memory_plan, planned_device_type
+
+    plan = memory_plan(config, world, planned_device_type(config))
+    if not plan.fits:
+        raise LeapctlError(plan.refusal())
+    return plan
+
+
+def _finish_and_write(config: LearnConfig, model, tokenizer, learned, corpus, scales, texts: dict,
+                      dense_ppl: dict, device, sharded: bool) -> None:
+    """Rank 0, after the process group: under FSDP2 the trained model is sharded, so a fresh copy is
+    pruned; then the sparse perplexities, the run folder and the state folder's cleanup."""
+    from leapctl.compute import DTYPES
+    from leapctl.learn.heldout import perplexities, report_entry
+    from leapctl.learn.start import quantize_frozen
+    from leapctl.learn.train import finish_weights
+    from leapctl.models import load_model
+
+    if sharded:
+        del model  # the shards go before the fresh copy comes
+        model, _ = load_model(config.model, dtype=DTYPES[config.dtype], device=device)
+        quantize_frozen(model, config)
+        finish_weights(model, learned, corpus, config)
+    sparse_ppl = perplexities(model.eval(), texts, config.seq_len, config.progress)
+    heldout = report_entry(config, dense_ppl, sparse_ppl) if texts else None
+    _write_run(config, model.to("cpu"), tokenizer, learned, scales, heldout)
+    _clear_state_after_success(config)
+
+
 def main(config: LearnConfig) -> int:
+    if config.plan:
+        typer.echo(run(config).plan.table())
+        return 0
+    _print_plan(config)
     result = run(config)
     if result.interrupted_by:
         typer.echo(f"interrupted after step {result.steps_done}: checkpoint in {result.state_dir}; "
@@ -101,6 +150,15 @@ def main(config: LearnConfig) -> int:
             typer.echo(f"perplexity on {name} ({heldout['windows']} x {heldout['seq_len']} tokens): dense "
                        f"{ppl['dense']:.2f}, sparse {ppl['sparse']:.2f} ({ratio:.2f}x)")
     return 0
+
+
+def _print_plan(config: LearnConfig) -> None:
+    """Rank 0 shows the memory plan before anything loads (`run` refuses one that does not fit)."""
+    from leapctl.learn.processes import world_from_environment
+
+    world, rank = world_from_environment()
+    if rank == 0:
+        typer.echo(_fitting_plan(_checked(config, world), world).table(), err=True)
 
 
 def _inputs(config: LearnConfig) -> tuple:
@@ -135,40 +193,53 @@ def _new_state_removed_on_failure(state_dir: Path, master: bool) -> Iterator[Non
         raise
 
 
-def _token_stream_and_initial_mask(config: LearnConfig, model, tokenizer, master: bool, distributed: bool,
-                                   device):
-    """(memory-mapped token stream, initial mask or None). Rank 0 tokenises the corpus into the state
-    folder and computes the Wanda mask; the others read both from there."""
+def _prepare_start(config: LearnConfig, model, tokenizer, device, distributed: bool):
+    """Rank 0, before the process group starts: tokenise the corpus into the state folder and compute the
+    Wanda mask (saved there for the other processes under torchrun); returns the mask, or None."""
     from leapctl.data import calibration_batch
     from leapctl.learn.heldout import save_tail
-    from leapctl.learn.processes import barrier
     from leapctl.learn.start import training_corpus, wanda_init
     from leapctl.learn.state import INIT_MASKS_FILE, clear_state
-    from leapctl.learn.stream import open_token_file, write_token_file
-    from leapctl.masks import load_masks, save_masks
+    from leapctl.learn.stream import write_token_file
+    from leapctl.masks import save_masks
 
+    if config.resume:
+        return None
     state_dir = config.state_dir()
-    wanda = not config.resume and config.init != "random" and config.init_masks is None
+    # Everything that reads the user's inputs comes first: an old checkpoint (--overwrite) is given up only
+    # once the new run has its token stream and initial mask in hand.
+    ids, tail = training_corpus(config, model, tokenizer)
     init = None
-    if not config.resume and master:
-        # Everything that reads the user's inputs comes first: an old checkpoint (--overwrite) is given up
-        # only once the new run has its token stream and initial mask in hand.
-        ids, tail = training_corpus(config, model, tokenizer)
-        if wanda:  # on `nsamples` windows of the calibration source, as `leapctl prune --method wanda` does
-            calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
-                                      model=model)
-            init = wanda_init(model, calib, config, device)
-        clear_state(state_dir)
-        write_token_file(state_dir, ids)
-        if tail is not None:
-            save_tail(state_dir, tail)
-        del ids
-        if distributed and init is not None:
-            save_masks(state_dir / INIT_MASKS_FILE, init)
+    if _wanda(config):  # on `nsamples` windows of the calibration source, as `leapctl prune` does
+        calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
+                                  model=model)
+        init = wanda_init(model, calib, config, device)
+    clear_state(state_dir)
+    write_token_file(state_dir, ids)
+    if tail is not None:
+        save_tail(state_dir, tail)
+    if distributed and init is not None:
+        save_masks(state_dir / INIT_MASKS_FILE, init)
+    return init
+
+
+def _read_start(config: LearnConfig, distributed: bool, master: bool, init):
+    """(memory-mapped token stream, initial mask or None) once rank 0 has prepared them: the others read
+    the mask that rank 0 saved."""
+    from leapctl.learn.processes import barrier
+    from leapctl.learn.state import INIT_MASKS_FILE
+    from leapctl.learn.stream import open_token_file
+    from leapctl.masks import load_masks
+
     barrier(distributed)
-    if wanda and not master:
+    state_dir = config.state_dir()
+    if _wanda(config) and not master:
         init = load_masks(state_dir / INIT_MASKS_FILE)
     return open_token_file(state_dir), init
+
+
+def _wanda(config: LearnConfig) -> bool:
+    return not config.resume and config.init != "random" and config.init_masks is None
 
 
 def _write_run(config: LearnConfig, model, tokenizer, learned, scales, heldout: dict | None) -> None:

@@ -11,7 +11,8 @@ from leapctl.recover.config import DEFAULT_CALIB, RecoverConfig
 
 NAME = "recover"
 HELP = ("Train the kept weights of a pruned RUN by distillation from the dense model (the mask held, pruned "
-        "weights stay zero) and write a run folder, ready for quantize or export.")
+        "weights stay zero; a quantized RUN's weights stay on its 4-bit grid) and write a run folder, ready "
+        "for quantize or export.")
 Config = RecoverConfig
 PLOT = "recover_kl.png"
 
@@ -33,8 +34,6 @@ def run(config: RecoverConfig) -> dict:
 
     config.validate()
     source = read_run(config.run)
-    if source.scales is not None:
-        raise LeapctlError(f"{config.run} is quantized: recover the 16-bit run, then quantize it")
     teacher_spec = config.teacher or source.masks.model
     if not teacher_spec:
         raise LeapctlError(f"{config.run}'s masks name no dense model: pass --teacher MODEL")
@@ -57,8 +56,9 @@ def run(config: RecoverConfig) -> dict:
                                config.seed, config.text_field)
     settings = RecoverySettings(config.steps, config.batch_size, config.lr, config.hidden_weight, config.seed,
                                 autocast, checkpointing, config.checkpoint_every, config.progress)
+    grid = (source.scales, source.zeros) if source.scales is not None else None
     result = recover_weights(model, teacher, source.masks, windows, settings, config.state_dir(), fingerprint,
-                             resume=config.resume)
+                             resume=config.resume, grid=grid)
     del teacher
     kl = [entry["kl"] for entry in result.history]
     last = kl[-10:]
@@ -70,11 +70,15 @@ def run(config: RecoverConfig) -> dict:
                            "tokens": config.steps * config.batch_size * config.seq_len,
                            "windows": int(windows.shape[0]), "autocast": autocast,
                            "gradient_checkpointing": checkpointing, "device": str(device),
+                           "on_grid": grid is not None,
                            "resumed_at_step": result.resumed_at_step, "seconds": round(result.seconds, 3),
                            "kl_first": round(kl[0], 5), "kl_last_10": round(sum(last) / len(last), 5),
                            "history": result.history}}
+    if grid is not None:
+        report["quantization"] = source.quantization
     with atomic_output_dir(Path(config.out), config.overwrite, inputs) as tmp:
-        saved = save_run(tmp, model.to("cpu"), tokenizer, source.masks, report)
+        saved = save_run(tmp, model.to("cpu"), tokenizer, source.masks, report, scales=source.scales,
+                         zeros=source.zeros)
         plot_curve(kl, "recovery step", "KL(dense || sparse)", "recovery of the kept weights", tmp / PLOT)
     _clear_state(config.state_dir())
     return saved

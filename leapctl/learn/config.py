@@ -37,6 +37,7 @@ from leapctl.settings import setting
 INIT_MODES = ("wanda", "wanda-small", "random")
 HARD_MASK_MODES = ("global", "per-layer", "positive")
 LOGITS_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16")
 PRESETS = ("auto", "paper")
 # What each preset puts into the settings left at None ("auto" for lr is the rule above).
 PRESET_VALUES = {
@@ -59,6 +60,10 @@ NOT_IN_FINGERPRINT = (
     "fsdp",
     "gradient_checkpointing",
     "device",
+    "plan",
+    "world_size",
+    "device_memory_gb",
+    "dist_timeout_s",
 )
 
 
@@ -72,7 +77,9 @@ class LearnConfig:
     model: str = setting(help="Local Hugging Face folder, hub id, or built-in name (smollm2-135m).",
                          argument=True, metavar="MODEL")
     # None in Python: leap_masks in memory, no files.
-    out: Path | None = setting(None, "Output run folder: checkpoint, masks, report, plots.", required=True)
+    # Required unless --plan: `run` checks it (so `--plan` needs no folder).
+    out: Path | None = setting(None, "Output run folder: checkpoint, masks, report, plots (required, except "
+                                     "with --plan).")
     sparsity: float = setting(0.5, "Target fraction of zeros over all masked weights.")
     calib: str = setting("wiki-summaries", "Training text: file, folder, .jsonl, saved dataset, "
                                            "wiki-summaries or generated (sampled from the model).")
@@ -119,6 +126,8 @@ class LearnConfig:
     hard_mask: str = setting("global", "global (exact density, top-k over all layers), per-layer (exact "
                                        "density in each layer) or positive (P > 0).")
     logits_dtype: str = setting("float32", "float32 or bfloat16 logits.")
+    dtype: str = setting("float32", "Dtype of the frozen weights: float32 or bfloat16 (half the memory; the "
+                                    "matmuls then run in bf16, the soft mask in fp32).")
     autocast: bool | None = setting(None, "bf16 autocast of the matmuls (default: on CUDA, off on CPU; "
                                           "CPUs with AVX512-BF16 or AMX run it faster, CPUs without widen "
                                           "every bf16 matmul to fp32, ~7x slower).")
@@ -136,6 +145,16 @@ class LearnConfig:
                                        "--out.", flag="--save-logits")
     fsdp: bool = setting(False, "Under torchrun: shard with FSDP2 instead of DDP.", flag="--fsdp")
     device: str = setting("auto", f"{DEVICE_HELP}.")
+    plan: bool = setting(False, "Only print the memory plan for this configuration (MODEL's config.json is "
+                                "enough: built on the meta device), write nothing and exit: 0 when it fits, "
+                                "2 when not. For a GPU run unless --device cpu.", flag="--plan")
+    world_size: int = setting(0, "Processes the plan is for (0: WORLD_SIZE under torchrun, else 1); a real "
+                                 "run takes torchrun's.")
+    device_memory_gb: float = setting(0.0, "Memory of one device the plan must fit, in GB (0: detected: the "
+                                           "GPU's, 80 when planning for a GPU this machine lacks; on the "
+                                           "CPU the available RAM shared by the processes).")
+    dist_timeout_s: int = setting(1800, "Timeout of the process group's collectives, and of the other "
+                                        "processes' wait while rank 0 tokenises and computes Wanda.")
     progress: bool = setting(True, "Show the progress bar.")
     report_windows: int = setting(32, "At the end, perplexity dense against sparse on this many --seq-len "
                                       "windows of held-apart calibration text and of WikiText-2 (when the "
@@ -228,6 +247,10 @@ class LearnConfig:
             )
         if self.logits_dtype not in LOGITS_DTYPES:
             raise LeapctlError(f"--logits-dtype must be one of {', '.join(LOGITS_DTYPES)}")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise LeapctlError(f"--dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.dtype!r}")
+        if self.world_size < 0 or self.device_memory_gb < 0 or self.dist_timeout_s < 1:
+            raise LeapctlError("--world-size and --device-memory-gb must be >= 0, --dist-timeout-s >= 1")
         if self.checkpoint_every < 0:
             raise LeapctlError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.nsamples < 1:
@@ -235,7 +258,7 @@ class LearnConfig:
         if self.report_windows < 0:
             raise LeapctlError(f"--report-windows must be >= 0, got {self.report_windows}")
         if self.bits is not None:
-            from leapctl.quantize.config import SUPPORTED_BITS
+            from leapctl.grid import SUPPORTED_BITS
 
             if self.bits not in SUPPORTED_BITS:
                 raise LeapctlError(f"--bits {self.bits} is not supported (supported: "

@@ -198,11 +198,13 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def attach_masks(
-    model: nn.Module, linears: dict[str, nn.Linear], logits: dict[str, torch.Tensor], state: MaskState
+    model: nn.Module, linears: dict[str, nn.Linear], logits: dict[str, torch.Tensor], state: MaskState,
+    first_index: int = 0,
 ) -> dict[str, MaskedLinear]:
-    """Swap each named linear for a `MaskedLinear` holding its logits (keyed by `<name>.weight`)."""
+    """Swap each named linear for a `MaskedLinear` holding its logits (keyed by `<name>.weight`); layer
+    indices (which seed the noise) count from `first_index`, for a model attached a block at a time."""
     masked = {}
-    for index, (name, linear) in enumerate(linears.items()):
+    for index, (name, linear) in enumerate(linears.items(), start=first_index):
         layer = MaskedLinear(linear, logits[f"{name}.weight"], state, index)
         _set_submodule(model, name, layer)
         masked[name] = layer
@@ -243,10 +245,29 @@ def init_logits(
     return out
 
 
-def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys with the same order as the float32 values; -0.0 is first made +0.0 (they tie)."""
-    bits = (values.float() + 0.0).contiguous().view(torch.int32).long()
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+# Elements compared at once by `hard_masks`: bounds its temporaries (bf16 logits are widened a chunk at a
+# time).
+COMPARE_CHUNK = 1 << 24
+# The order keys of -inf and +inf: float32 bit patterns mapped to integers of the same order (negative values
+# reflected), so that bisecting over the integers between them visits every float32 in order.
+KEY_NEG_INF, KEY_POS_INF = -(0x7F800000 + 1), 0x7F800000
+
+
+def _key_value(key: torch.Tensor) -> torch.Tensor:
+    """The float32 values whose order keys are `key` (int64 in the int32 range): the inverse of the order
+    map, computed for the few thresholds only, never for the weights. -0.0 and +0.0 compare equal, so the
+    two keys around zero count alike."""
+    bits = torch.where(key < 0, key ^ 0x7FFFFFFF, key).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def _chunks(p: torch.Tensor) -> list[torch.Tensor]:
+    return list(p.reshape(-1).split(COMPARE_CHUNK))
+
+
+def _count(p: torch.Tensor, value: torch.Tensor, op) -> torch.Tensor:
+    """How many elements of `p` satisfy `op(element, value)`, compared in float32 a chunk at a time."""
+    return sum(op(chunk.float(), value).sum() for chunk in _chunks(p))
 
 
 def hard_masks(
@@ -255,10 +276,12 @@ def hard_masks(
     """Boolean keep-masks from trained logits.
 
     `global` (default): exactly round(density * total) weights kept, those with the largest logits over
-    all layers together; found by bisection on the float bit patterns, so nothing of model size is
-    concatenated or sorted. Ties at the threshold go to the earlier layer, then the lower flat index.
+    all layers together: `torch.topk` over the concatenated logits, with ties at the threshold going to
+    the earlier layer, then the lower flat index (a stable descending sort). Found by bisection over the
+    float32 order (32 passes of counts), so nothing of model size is concatenated, sorted or widened to
+    integer keys: each pass compares the logits with one threshold, a chunk at a time.
     `per-layer`: round(density * numel) kept in every layer, by the same rule. `positive` (authors' code):
-    P > 0.
+    P > 0. NaN logits are refused (they have no place in the order).
 
     With a process `group`, each tensor is this process's shard of its layer: a contiguous block of rows,
     the shards in rank order (FSDP2's dim-0 sharding). Counts are summed over the group on the logits'
@@ -269,53 +292,60 @@ def hard_masks(
         raise ValueError(f"unknown hard-mask mode {mode!r}")
     names = list(logits)
     device = next(iter(logits.values())).device
-    keys = {name: _sortable_keys(p) for name, p in logits.items()}
-    sizes = _group_sum(torch.tensor([logits[n].numel() for n in names], device=device), group)
-    if mode == "global":
-        members = [list(range(len(names)))]
-        keep_counts = [round(density * int(sizes.sum()))]
-    else:
-        members = [[i] for i in range(len(names))]
-        keep_counts = [round(density * int(size)) for size in sizes]
-    k = torch.tensor(keep_counts, device=device)
+    sizes_and_nans = _group_sum(torch.stack([
+        torch.stack([torch.tensor(logits[n].numel(), device=device), torch.isnan(logits[n]).sum()])
+        for n in names]), group)
+    if int(sizes_and_nans[:, 1].sum()):
+        raise ValueError("the mask logits hold NaN: the run diverged")
+    sizes = sizes_and_nans[:, 0]
+    members = [list(range(len(names)))] if mode == "global" else [[i] for i in range(len(names))]
+    totals = [int(sum(sizes[i] for i in layers)) for layers in members]
+    k = torch.tensor([round(density * total) for total in totals], device=device)
 
-    def counts(threshold: torch.Tensor, strict: bool) -> torch.Tensor:
-        """Per set of layers: how many keys lie above (strict) or at or above `threshold`."""
-        local = torch.stack([
-            sum(((keys[names[i]] > threshold[g]) if strict else (keys[names[i]] >= threshold[g])).sum()
-                for i in layers)
-            for g, layers in enumerate(members)
-        ])
+    def counts(values: torch.Tensor, op) -> torch.Tensor:
+        """Per set of layers: how many logits x satisfy op(x, the set's threshold value)."""
+        local = torch.stack([sum(_count(logits[names[i]], values[g], op) for i in layers)
+                             for g, layers in enumerate(members)])
         return _group_sum(local, group)
 
-    # per set: the largest threshold t with count(key >= t) >= k, all sets bisected together
-    low = torch.full((len(members),), -(2**31), dtype=torch.long, device=device)
-    high = torch.full((len(members),), 2**31 - 1, dtype=torch.long, device=device)
+    # per set: the largest key t with count(x >= value(t)) >= k, all sets bisected together; every key
+    # between those of -inf and +inf is a number, and count(x >= -inf) = size >= k
+    low = torch.full((len(members),), KEY_NEG_INF, dtype=torch.long, device=device)
+    high = torch.full((len(members),), KEY_POS_INF, dtype=torch.long, device=device)
     while bool((low < high).any()):
         mid = (low + high + 1) // 2
-        enough = counts(mid, strict=False) >= k
+        enough = counts(_key_value(mid), torch.ge) >= k
         low = torch.where(enough, mid, low)
         high = torch.where(enough, high, mid - 1)
-    remaining = (k - counts(low, strict=True)).tolist()
+    threshold = _key_value(low)
+    remaining = (k - counts(threshold, torch.gt)).tolist()
     # ties at the threshold, in layer order and within a layer in rank (row) order
-    ties = torch.stack([(keys[names[i]] == low[g]).sum() for g, layers in enumerate(members) for i in layers])
+    ties = torch.stack([_count(logits[names[i]], threshold[g], torch.eq)
+                        for g, layers in enumerate(members) for i in layers])
     every = _group_gather(ties, group)  # [processes, layers]
     rank = dist.get_rank(group) if group is not None else 0
-    out = {}
-    position = 0
+    out, position = {}, 0
     for g, layers in enumerate(members):
         for i in layers:
-            key = keys[names[i]]
-            keep = key > low[g]
             before = int(every[:rank, position].sum())
             take = max(0, min(int(every[rank, position]), remaining[g] - before))
-            if take:
-                chosen = (key == low[g]).flatten().nonzero().flatten()[:take]
-                keep.view(-1)[chosen] = True
+            out[names[i]] = _keep_above(logits[names[i]], threshold[g], take)
             remaining[g] = max(0, remaining[g] - int(every[:, position].sum()))
-            out[names[i]] = keep
             position += 1
     return out
+
+
+def _keep_above(p: torch.Tensor, value: torch.Tensor, take: int) -> torch.Tensor:
+    """Keep-mask of `p`: every element above `value`, and the first `take` (in flat order) equal to it."""
+    keep = torch.empty(p.shape, dtype=torch.bool, device=p.device)
+    for chunk, out in zip(_chunks(p), _chunks(keep), strict=True):
+        wide = chunk.float()
+        torch.gt(wide, value, out=out)
+        if take:
+            tied = (wide == value).nonzero().flatten()[:take]
+            out[tied] = True
+            take -= tied.numel()
+    return keep
 
 
 def _group_sum(values: torch.Tensor, group) -> torch.Tensor:

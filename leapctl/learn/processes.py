@@ -2,6 +2,7 @@
 FSDP2, gradient accumulation without syncs, and whole tensors from FSDP2 shards."""
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -34,19 +35,32 @@ class Processes:
         return cls()
 
 
-def start_processes(device: str, world: int) -> torch.device:
-    """The training device, and under torchrun the process group: one backend per device type (gloo for
-    CPU tensors, NCCL for CUDA ones), so a collective works wherever its tensor lives."""
+def bind_device(device: str, world: int) -> torch.device:
+    """The training device, bound before any process group exists (NCCL then builds its communicator on
+    the right GPU): under torchrun each process takes its local rank's GPU whatever --device names."""
     named = resolve_device(device)  # the one resolver: cpu, or cuda:N checked to exist
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if named.type == "cuda" else "gloo")
     if named.type != "cuda":
         return named
-    # Under torchrun each process takes its local rank's GPU whatever --device names.
     index = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else named.index
-    device = torch.device("cuda", index)
-    torch.cuda.set_device(device)
-    return device
+    bound = torch.device("cuda", index)
+    torch.cuda.set_device(bound)
+    return bound
+
+
+def start_group(device: torch.device, world: int, timeout_s: float) -> None:
+    """Under torchrun, the process group: one backend per device type (gloo for CPU tensors, NCCL for CUDA
+    ones), so a collective works wherever its tensor lives; `timeout_s` bounds every collective and the
+    wait for the processes that join late (rank 0 joins after its set-up). The GPU is bound already."""
+    if world <= 1 or dist.is_initialized():
+        return
+    cuda = device.type == "cuda"
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device if cuda else None)
+
+
+def world_from_environment() -> tuple[int, int]:
+    """(world size, rank) that torchrun gives this process, before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
 def barrier(distributed: bool) -> None:
@@ -60,15 +74,21 @@ def shutdown(distributed: bool) -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(model: torch.nn.Module, blocks, distributed: bool, fsdp: bool,
+def shard_block(block: torch.nn.Module) -> None:
+    """FSDP2 on one decoder block: its parameters become this process's row shards (the whole ones are
+    freed when nothing else holds them)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(block)
+
+
+def wrap_model(model: torch.nn.Module, distributed: bool, fsdp: bool,
                device: torch.device) -> torch.nn.Module:
-    """The module the loop calls: FSDP2 shards `model` in place (each block, then the whole) and returns it;
-    DDP wraps it; one process uses it as it is."""
+    """The module the loop calls: under FSDP2 the whole model sharded in place (its blocks are already,
+    `shard_block`) and returned; DDP wraps it; one process uses it as it is."""
     if distributed and fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for block in blocks:
-            fully_shard(block)
         fully_shard(model)
         return model
     if distributed:

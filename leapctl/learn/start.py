@@ -93,7 +93,7 @@ def quantize_frozen(model: torch.nn.Module, config: LearnConfig) -> dict[str, to
     since the mask is not known yet); the kept ones then sit on that grid whatever the mask becomes."""
     if config.bits is None:
         return None
-    from leapctl.quantize import check_group_size, rtn_scales
+    from leapctl.grid import check_group_size, rtn_scales
 
     linears = model_layout(model, config.include, config.exclude).linears
     everything = MaskSet(masks={f"{name}.weight": torch.ones(linear.weight.shape, dtype=torch.bool,

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from leapctl.data import sample_windows
+from leapctl.distill import language_model_and_distillation
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
     load_tensors,
@@ -42,17 +44,17 @@ from leapctl.learn.checkpoint import (
     save_checkpoint,
 )
 from leapctl.learn.config import PRESET_VALUES, LearnConfig
-from leapctl.learn.loss import language_model_and_distillation, regularisers
+from leapctl.learn.loss import regularisers
 from leapctl.learn.mask import MaskState, attach_masks, detach_masks, hard_masks, init_logits
 from leapctl.learn.metrics import MetricsLog
-from leapctl.learn.processes import Processes, full_cpu, no_gradient_sync, wrap_model
+from leapctl.learn.processes import Processes, full_cpu, no_gradient_sync, shard_block, wrap_model
 from leapctl.learn.report import peak_memory, soft_density
-from leapctl.learn.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
 from leapctl.learn.signals import StopFlag
 from leapctl.learn.start import initial_keep, training_corpus
 from leapctl.learn.stream import WindowStream
 from leapctl.masks import MaskSet, apply_masks
 from leapctl.models import model_layout
+from leapctl.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
 
 # The per-step numbers summed on the device over micro-batches (and processes), read back once per step.
 SUMMED = ("lm_loss", "kl", "density", "density_penalty", "magnitude_penalty", "loss")
@@ -146,18 +148,14 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
     # ---------------------------------------------------------------- frozen model, logits, stream
     _seed_everything(config.seed)
     model.requires_grad_(False)
-    layout = model_layout(model, config.include, config.exclude)
-    linears = layout.linears
-    logits = _start_logits(model, corpus, config, linears, init, meta, device)
-    mask_state = MaskState(run_seed=config.seed,
-                           compute_dtype=torch.bfloat16 if use_autocast else torch.float32,
-                           track_norms=config.magnitude_term and config.lambda2 != 0)
-    attached = attach_masks(model, linears, logits, mask_state)
-    masked = {f"{name}.weight": layer for name, layer in attached.items()}  # by weight name, layer order
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype(config, use_autocast),
+                           track_norms=config.magnitude_term and config.lambda2 != 0)
+    masked, total_weights, dense_norm_sum = _masked_model(model, corpus, config, init, meta, mask_state,
+                                                          device)
     model.train()
-    train_model = wrap_model(model, layout.blocks, processes.distributed, config.fsdp, device)
+    train_model = wrap_model(model, processes.distributed, config.fsdp, device)
     stream = WindowStream(corpus, config.seq_len, config.batch_size, config.seed,
                           position=meta["data_position"] if meta else 0)
 
@@ -169,8 +167,7 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                   cosine_with_warmup(config.warmup_steps, config.steps))
     loop = _Loop(config, processes, device, model, train_model, masked, mask_state, optimizer, scheduler,
-                 stream, use_autocast, sum(linear.weight.numel() for linear in linears.values()),
-                 float(sum(linear.weight.float().norm() for linear in linears.values())))
+                 stream, use_autocast, total_weights, dense_norm_sum)
     start_step, generation = _resume(loop, state_dir, meta)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -332,17 +329,53 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
+def compute_dtype(config: LearnConfig, autocast: bool) -> torch.dtype:
+    """The dtype of the masked matmuls: bf16 under autocast or with bf16 frozen weights (the rest of the
+    model then runs in bf16 too), else fp32. The soft mask is fp32 either way."""
+    return torch.bfloat16 if autocast or config.dtype == "bfloat16" else torch.float32
+
+
+def _masked_model(model, corpus, config: LearnConfig, init: MaskSet | None, meta: dict | None,
+                  mask_state: MaskState, device: torch.device) -> tuple[dict, int, float]:
+    """Swap every prunable linear of `model` for a `MaskedLinear` with its logits, block by block; under
+    FSDP2 each block is sharded as soon as its layers have their logits, so the whole logits of one block
+    at most exist at a time, and nothing here outlives this call (the plain linears, the keep-masks, the
+    initial logits), so the whole weights and logits are freed as the blocks are sharded.
+    Returns (weight name -> MaskedLinear in layer order, number of masked weights, sum of their norms)."""
+    layout = model_layout(model, config.include, config.exclude)
+    linears = layout.linears
+    total_weights = sum(linear.weight.numel() for linear in linears.values())
+    dense_norm_sum = float(sum(linear.weight.float().norm() for linear in linears.values()))
+    logits = _start_logits(model, corpus, config, linears, init, meta, device)
+    shard = Processes.current().distributed and config.fsdp
+    masked, first = {}, 0
+    for index, block in enumerate(layout.blocks):
+        names = [name for name in list(linears) if layout.block_index(name) == index]
+        block_logits = {f"{name}.weight": next(logits) for name in names}
+        attached = attach_masks(model, {name: linears.pop(name) for name in names}, block_logits, mask_state,
+                                first_index=first)
+        del block_logits
+        masked.update({f"{name}.weight": layer for name, layer in attached.items()})
+        first += len(names)
+        if shard:
+            shard_block(block)
+    return masked, total_weights, dense_norm_sum
+
+
 def _start_logits(model, corpus, config: LearnConfig, linears, init: MaskSet | None, meta: dict | None,
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    """The mask logits per weight name: from the initial keep-mask, or zeros that the checkpoint fills."""
+                  device: torch.device) -> Iterator[torch.Tensor]:
+    """The mask logits of each linear in layer order, made on the device one at a time: from the initial
+    keep-mask, or zeros that the checkpoint fills."""
     logits_dtype = getattr(torch, config.logits_dtype)
     if meta is not None:
-        return {f"{name}.weight": torch.zeros(linear.weight.shape, dtype=logits_dtype, device=device)
-                for name, linear in linears.items()}
+        for shape in [linear.weight.shape for linear in linears.values()]:  # the caller pops `linears`
+            yield torch.zeros(shape, dtype=logits_dtype, device=device)
+        return
     keep = initial_keep(model, corpus, config, linears, init, device)
-    generator = torch.Generator().manual_seed(config.seed)
-    start = init_logits(keep, config.init, config.init_scale, generator, logits_dtype)
-    return {name: t.to(device) for name, t in start.items()}
+    generator = torch.Generator().manual_seed(config.seed)  # one stream, drawn layer by layer in order
+    for name in list(keep):
+        yield init_logits({name: keep.pop(name)}, config.init, config.init_scale, generator,
+                          logits_dtype)[name].to(device)
 
 
 def _resume(loop: _Loop, state_dir: Path | None, meta: dict | None) -> tuple[int, int]:

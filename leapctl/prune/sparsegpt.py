@@ -5,25 +5,20 @@ reference divides by sequences, a common factor that changes neither mask nor up
 channels get H_jj = 1 and their weight column zeroed; dampening 0.01 * mean(diag H); U = upper Cholesky
 factor of H^-1; in 128-column blocks, the mask is chosen over the whole block (all rows together) by
 w^2 / U_jj^2, then columns are pruned one by one with the OBS error spread over the block's remaining
-columns and, lazily, over the later columns once per block. Each block loses exactly
-floor(rows * block_columns * sparsity) weights (the reference cuts at a threshold, `<=`, one more)."""
+columns and, lazily, over the later columns once per block (`obs.feed_errors_forward`, GPTQ's loop too).
+Each block loses exactly floor(rows * block_columns * sparsity) weights (the reference cuts at a threshold,
+`<=`, one more)."""
 
 import torch
 from torch import nn
 
 from leapctl.masks import MaskSet, masked_weight
-from leapctl.prune.hessian import PERCENT_DAMP, dampened
+from leapctl.prune.hessian import PERCENT_DAMP
+from leapctl.prune.obs import feed_errors_forward, inverse_hessian_factor
 from leapctl.prune.select import keep_mask_per_row, prune_count
 from leapctl.prune.sequential import prune_sequentially
 
 BLOCK_SIZE = 128
-
-
-def inverse_hessian_factor(hessian: torch.Tensor,
-                           percdamp: float = PERCENT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U, dead): U upper-triangular with U^T U = (H + damp I)^-1 after dead channels get H_jj = 1."""
-    H, dead = dampened(hessian, percdamp)
-    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True), dead
 
 
 def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float,
@@ -33,27 +28,18 @@ def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity
     W = weight.detach().to(hessian.dtype).clone()
     U, dead = inverse_hessian_factor(hessian, percdamp)
     W[:, dead] = 0
-    rows, cols = W.shape
-    keep = torch.ones(rows, cols, dtype=torch.bool, device=W.device)
-    for start in range(0, cols, blocksize):
-        end = min(start + blocksize, cols)
-        W1 = W[:, start:end].clone()
-        U1 = U[start:end, start:end]
-        scores = W1.pow(2) / torch.diag(U1).pow(2).unsqueeze(0)
-        n_pruned = prune_count(scores.numel(), sparsity)
-        keep1 = keep_mask_per_row(scores.reshape(1, -1), n_pruned).reshape(scores.shape)
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
-        for i in range(end - start):
-            w = W1[:, i]
-            q = torch.where(keep1[:, i], w, torch.zeros_like(w))
-            Q1[:, i] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, start:end] = Q1
-        W[:, end:] -= Err1 @ U[start:end, end:]
-        keep[:, start:end] = keep1
+    keep = torch.ones(W.shape, dtype=torch.bool, device=W.device)
+
+    def target(block: torch.Tensor, start: int, i: int) -> torch.Tensor:
+        end = start + block.shape[1]
+        if i == 0:  # the block's mask, over all its rows at once, before any of its columns moves
+            scores = block.pow(2) / torch.diag(U[start:end, start:end]).pow(2).unsqueeze(0)
+            n_pruned = prune_count(scores.numel(), sparsity)
+            keep[:, start:end] = keep_mask_per_row(scores.reshape(1, -1), n_pruned).reshape(scores.shape)
+        w = block[:, i]
+        return torch.where(keep[:, start + i], w, torch.zeros_like(w))
+
+    feed_errors_forward(W, U, blocksize, target)
     return W, keep
 
 

@@ -5,12 +5,11 @@ from pathlib import Path
 
 from leapctl.compute import DEVICE_HELP
 from leapctl.errors import LeapctlError
+from leapctl.grid import ASYMMETRIC, SUPPORTED_BITS, SYMMETRIC
 from leapctl.settings import setting
 
-SUPPORTED_BITS = (4,)
 LM_HEAD_BITS = (4, 8, 16)  # 16: lm_head left as it is
 METHODS = ("gptq", "rtn")
-SYMMETRIC, ASYMMETRIC = "symmetric", "asymmetric"  # the bitmap-q4 grids (leapctl.quantize.rtn.GRIDS)
 # Calibration of a run whose masks used none (magnitude pruning): the shipped general-purpose text.
 DEFAULT_CALIB = "wiki-summaries"
 

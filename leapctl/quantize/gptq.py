@@ -3,12 +3,12 @@ spread each column's error over the later columns with the inverse Hessian, as S
 sparsify-and-quantize does (its reference code quantizes the kept weights inside the same OBS update).
 
 A pruned weight's target is 0, a kept weight's its nearest grid level; the OBS step compensates both. The
-Hessian is the one SparseGPT uses (`prune.sparsegpt.inverse_hessian_factor`).
+Hessian and the column loop are SparseGPT's (`prune.obs`: `inverse_hessian_factor`, `feed_errors_forward`).
 
 Two column orders:
 - act order (the default): columns in decreasing order of the Hessian's diagonal (the inputs with the most
   energy first, while the most later columns remain to absorb their error), with static groups: every group's
-  scale (and zero point, on the asymmetric grid) searched (`rtn.GRIDS`) up front on its kept weights as they
+  scale (and zero point, on the asymmetric grid) searched (`grid.GRIDS`) up front on its kept weights as they
   are, since a group's columns no longer come together. Measured on SmolLM2 (a LEAP 50% run, asymmetric grid,
   no tuning; bench/results/README.md): held-apart perplexity +6.6% over the 16-bit values against +14.3% in
   the natural order.
@@ -18,8 +18,10 @@ Two column orders:
 import torch
 from torch import nn
 
-from leapctl.prune.sparsegpt import PERCENT_DAMP, SparseGPTPruner, inverse_hessian_factor
-from leapctl.quantize.rtn import GRIDS, SYMMETRIC, round_to_grid
+from leapctl.grid import GRIDS, SYMMETRIC, round_to_grid
+from leapctl.prune.hessian import PERCENT_DAMP
+from leapctl.prune.obs import feed_errors_forward, inverse_hessian_factor
+from leapctl.prune.sparsegpt import SparseGPTPruner
 
 BLOCK_SIZE = 128
 
@@ -53,24 +55,17 @@ def gptq_quantize(weight: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
     W, keep_ordered = W[:, order], keep[:, order]
     W[:, dead] = 0
     blocksize = group_size * -(-BLOCK_SIZE // group_size)  # whole groups per block in the natural order
-    for start in range(0, cols, blocksize):
-        end = min(start + blocksize, cols)
-        W1, U1 = W[:, start:end].clone(), U[start:end, start:end]
-        Q1, Err1 = torch.zeros_like(W1), torch.zeros_like(W1)
-        for i in range(end - start):
-            group = int(order[start + i]) // group_size
-            if not act_order and (start + i) % group_size == 0:
-                set_grid(group, W1[:, i:i + group_size])
-            w = W1[:, i]
-            rounded = round_to_grid(w.unsqueeze(1), scales[:, group].unsqueeze(1),
-                                    None if zeros is None else zeros[:, group].unsqueeze(1))[:, 0]
-            q = torch.where(keep_ordered[:, start + i], rounded, torch.zeros_like(w))
-            Q1[:, i] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, start:end] = Q1
-        W[:, end:] -= Err1 @ U[start:end, end:]
+
+    def target(block: torch.Tensor, start: int, i: int) -> torch.Tensor:
+        group = int(order[start + i]) // group_size
+        if not act_order and (start + i) % group_size == 0:
+            set_grid(group, block[:, i:i + group_size])
+        w = block[:, i]
+        rounded = round_to_grid(w.unsqueeze(1), scales[:, group].unsqueeze(1),
+                                None if zeros is None else zeros[:, group].unsqueeze(1))[:, 0]
+        return torch.where(keep_ordered[:, start + i], rounded, torch.zeros_like(w))
+
+    feed_errors_forward(W, U, blocksize, target)
     return W[:, torch.argsort(order)].float(), scales, zeros
 
 

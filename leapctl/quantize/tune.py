@@ -9,7 +9,7 @@ of that: on stories260K, LEAP 50% + GPTQ 4-bit went from +7.7% perplexity over t
 `scale * (code - 7.5)` in fp32 and `export --format bitmap-q4` reads them bit for bit.
 
 A training loop to read top to bottom, like `learn.train`: the teacher's logits, the student's, the KL
-between them (`learn.loss`), a cosine learning rate, one Adam step."""
+between them (`leapctl.distill`), a cosine learning rate, one Adam step."""
 
 from dataclasses import dataclass
 
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from leapctl.learn.loss import language_model_and_distillation
-from leapctl.learn.schedule import cosine_with_warmup
+from leapctl.distill import language_model_and_distillation
 from leapctl.models import recompute_blocks_in_backward
 from leapctl.progress import progress_bar
+from leapctl.schedule import cosine_with_warmup
 
 NORM_LR_FACTOR = 0.1  # normalisation weights are O(1) multipliers: a tenth of the log-scales' step
 

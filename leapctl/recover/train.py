@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from leapctl.distill import language_model_and_distillation
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
     load_tensors,
@@ -29,12 +30,12 @@ from leapctl.learn.checkpoint import (
     rng_states,
     save_checkpoint,
 )
-from leapctl.learn.loss import language_model_and_distillation
-from leapctl.learn.schedule import cosine_with_warmup
 from leapctl.learn.signals import StopFlag
 from leapctl.masks import MaskSet, masked_weight
 from leapctl.models import recompute_blocks_in_backward
 from leapctl.progress import progress_bar
+from leapctl.recover.grid import put_on_grid, take_off_grid
+from leapctl.schedule import cosine_with_warmup
 
 BETAS = (0.9, 0.95)
 MAX_GRAD_NORM = 1.0
@@ -85,15 +86,20 @@ class _Loop:
     device: torch.device
 
 
+Grid = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]  # a quantized run's (scales, zeros)
+
+
 def recover_weights(model: nn.Module, teacher: nn.Module, masks: MaskSet, windows: torch.Tensor,
                     settings: RecoverySettings, state_dir: Path | None = None,
-                    fingerprint: dict | None = None, resume: bool = False) -> RecoveryResult:
+                    fingerprint: dict | None = None, resume: bool = False,
+                    grid: Grid | None = None) -> RecoveryResult:
     """Train the kept weights of every masked linear of `model` (pruned, on its device) in place so that its
     outputs match `teacher`'s (the dense model, same device) on batches of `windows` [n, seq_len]; every
     other parameter stays frozen and every pruned weight stays +0.0. With `state_dir`, a checkpoint is
     written every `checkpoint_every` steps and when a signal stops the run (`RecoverInterrupted`);
-    `resume` continues from it after checking `fingerprint`."""
-    loop = _set_up(model, teacher, masks, windows, settings)
+    `resume` continues from it after checking `fingerprint`. With `grid` (a quantized run's scales and zero
+    points) the weights are trained through their 4-bit grid (`recover.grid`) and end on it."""
+    loop = _set_up(model, teacher, masks, windows, settings, grid)
     meta = read_checkpoint(state_dir, fingerprint or {}) if resume else None
     start, generation = _restore(loop, state_dir, meta) if meta else (0, 0)
     result = RecoveryResult(history=list(meta["history"]) if meta else [], resumed_at_step=start or None)
@@ -118,14 +124,17 @@ def recover_weights(model: nn.Module, teacher: nn.Module, masks: MaskSet, window
             module.training = False
         if checkpointed:
             model.gradient_checkpointing_disable()
+        if grid is not None:
+            take_off_grid(model, list(loop.weights))
         model.requires_grad_(False)
     result.seconds = time.perf_counter() - started
     return result
 
 
 def _set_up(model: nn.Module, teacher: nn.Module, masks: MaskSet, windows: torch.Tensor,
-            settings: RecoverySettings) -> _Loop:
-    """Freeze everything but the masked weights, hook their gradients to the mask, build AdamW."""
+            settings: RecoverySettings, grid: Grid | None) -> _Loop:
+    """Freeze everything but the masked weights (their latents on `grid`), hook their gradients to the
+    mask, build AdamW."""
     device = next(model.parameters()).device
     params = dict(model.named_parameters())
     missing = sorted(set(masks.masks) - set(params))
@@ -135,8 +144,8 @@ def _set_up(model: nn.Module, teacher: nn.Module, masks: MaskSet, windows: torch
     model.eval()
     teacher.requires_grad_(False)
     teacher.eval()
-    weights = {name: params[name] for name in params if name in masks.masks}
-    keep = {name: masks.masks[name].to(device) for name in weights}
+    keep = {name: masks.masks[name].to(device) for name in params if name in masks.masks}
+    weights = put_on_grid(model, keep, *grid) if grid is not None else {name: params[name] for name in keep}
     for name, weight in weights.items():
         weight.requires_grad_(True)
         weight.register_hook(lambda grad, kept=keep[name]: masked_weight(grad, kept))

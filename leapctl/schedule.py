@@ -1,5 +1,7 @@
-"""Schedules advanced once per optimizer step (never per micro-batch): the mask temperature pair
-alpha (25 -> 350) and tau (4 -> 0.05), the magnitude term's decay, and the learning rate."""
+"""Schedules advanced once per optimizer step (never per micro-batch): the learning rate of every training
+loop here (`learn`, `recover`, `quantize`'s scale tuning), and LEAP's mask temperature pair alpha
+(25 -> 350) and tau (4 -> 0.05) and magnitude term's decay. Its own module so that those packages share it
+without importing one another."""
 
 import math
 

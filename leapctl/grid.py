@@ -1,4 +1,8 @@
-"""Round to nearest on a `bitmap-q4` grid, for the kept weights of a masked layer.
+"""The 4-bit `bitmap-q4` grid that kept weights sit on: each group's parameters searched, weights rounded
+to it, and round to nearest over a model's masked layers. Its own module because both `quantize` (rtn, and
+GPTQ's per-group search) and `learn --bits` (kept weights frozen on the grid while the mask learns) put
+weights on it, and neither of those packages imports the other; the grid's levels themselves are
+`sparse_formats.bitmap_q4`.
 
 Two grids (`GRIDS`): symmetric, `scale * (code - 7.5)`, and asymmetric, `scale * (code - zero)` with an
 integer zero point per group. A group's parameters are the one of `CLIP_STEPS` candidates (the kept
@@ -9,10 +13,15 @@ scale searches do the same). Pruned weights play no part: their grid position is
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from leapctl.quantize.config import ASYMMETRIC, SYMMETRIC
-from sparse_formats.bitmap_q4 import GRID_OFFSET, LEVELS, check_group_size, grid_offset
+from leapctl.errors import LeapctlError
+from leapctl.masks import MaskSet
+from sparse_formats import bitmap_q4
+from sparse_formats.bitmap_q4 import GRID_OFFSET, LEVELS, grid_offset
 
+SUPPORTED_BITS = (4,)  # bits per kept weight
+SYMMETRIC, ASYMMETRIC = "symmetric", "asymmetric"  # the bitmap-q4 grids (`GRIDS`)
 CLIP_STEPS = 16
 SMALLEST_CLIP = 0.75
 
@@ -23,7 +32,7 @@ def _shrinks() -> list[float]:
 
 def _groups(weight: torch.Tensor, mask: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = weight.shape
-    check_group_size(cols, group_size)
+    bitmap_q4.check_group_size(cols, group_size)
     shape = (rows, cols // group_size, group_size)
     return weight.float().reshape(shape), mask.reshape(shape)
 
@@ -106,3 +115,32 @@ def rtn_quantize(weight: torch.Tensor, mask: torch.Tensor, group_size: int,
     scales, zeros = GRIDS[grid](weight, mask, group_size)
     quantized = round_to_grid(weight, scales, zeros)
     return torch.where(mask, quantized, torch.zeros((), device=quantized.device)), scales, zeros
+
+
+def check_group_size(mask_set: MaskSet, group_size: int) -> None:
+    """One line naming the first pruned layer whose columns the group size does not divide."""
+    if group_size <= 0 or group_size % 32:
+        raise LeapctlError(f"--group-size must be a positive multiple of 32, got {group_size}")
+    for name, mask in mask_set.masks.items():
+        if mask.shape[1] % group_size:
+            raise LeapctlError(f"--group-size {group_size} does not divide the {mask.shape[1]} input columns "
+                               f"of {name}")
+
+
+Params = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (fp16 scales, uint8 zero points) per name
+
+
+@torch.no_grad()
+def rtn_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids=None, grid: str = SYMMETRIC,
+               **_options) -> Params:
+    """Round each masked layer's kept weights to nearest in place; no calibration (`calib_ids` and
+    `_options` are the quantizer registry's signature)."""
+    scales, zeros = {}, {}
+    for name, mask in mask_set.masks.items():
+        linear = model.get_submodule(name.removesuffix(".weight"))
+        weight, scale, zero = rtn_quantize(linear.weight, mask.to(linear.weight.device), group_size, grid)
+        linear.weight.copy_(weight.to(linear.weight.dtype))
+        scales[name] = scale.cpu()
+        if zero is not None:
+            zeros[name] = zero.cpu()
+    return scales, zeros

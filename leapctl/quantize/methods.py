@@ -1,0 +1,78 @@
+"""The per-layer quantizers, one registry (`QUANTIZERS`), each `run(model, mask_set, group_size, calib_ids,
+grid, **options) -> (scales, zeros)`: `rtn` (`leapctl.grid`, no calibration) and `gptq` (GPTQ with the mask
+fixed, calibrated block by block on the quantized blocks' outputs); and lm_head on its grid, every weight
+kept. Each puts weights on the grid in place; `job.quantize_model` sequences them with the tuning."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from leapctl.errors import LeapctlError
+from leapctl.grid import GRIDS, SYMMETRIC, Params, check_group_size, rtn_quantize, rtn_scales
+from leapctl.masks import MaskSet
+from leapctl.quantize.gptq import GPTQQuantizer
+from sparse_formats import int8_rows
+
+LM_HEAD = "lm_head.weight"
+
+
+def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids: torch.Tensor | None = None,
+                grid: str = SYMMETRIC, device: str | torch.device | None = None, batch_size: int = 8,
+                progress: bool = True, act_order: bool = True) -> Params:
+    """GPTQ with the masks fixed, block by block (`prune.sequential.update_under_masks`), each block
+    calibrated on what the already-quantized blocks produce; `act_order`: `gptq.gptq_quantize`'s."""
+    from leapctl.prune.sequential import update_under_masks
+
+    if calib_ids is None:
+        raise LeapctlError("gptq needs calibration data")
+    scales: dict[str, torch.Tensor] = {}
+    zeros: dict[str, torch.Tensor] = {}
+    update_under_masks(model, calib_ids, mask_set,
+                       lambda linear, mask, name: GPTQQuantizer(linear, mask, group_size, scales, name, grid,
+                                                                zeros, act_order),
+                       "gptq 4-bit", device=device, batch_size=batch_size, progress=progress)
+    return scales, zeros
+
+
+QUANTIZERS: dict[str, Callable[..., Params]] = {"gptq": gptq_scales, "rtn": rtn_scales}
+
+
+def quantize_weights(model: nn.Module, mask_set: MaskSet, method: str = "gptq", group_size: int = 64,
+                     calib_ids: torch.Tensor | None = None, grid: str = SYMMETRIC, **options) -> Params:
+    """Quantize the kept weights of every masked layer in place (the model must be fp32: the grid values
+    are exact only there); returns the fp16 scales per weight name, and the uint8 zero points on the
+    asymmetric grid (empty on the symmetric one)."""
+    if method not in QUANTIZERS:
+        raise LeapctlError(f"unknown quantization method {method!r} (choose from {', '.join(QUANTIZERS)})")
+    if grid not in GRIDS:
+        raise LeapctlError(f"unknown grid {grid!r} (choose from {', '.join(GRIDS)})")
+    check_group_size(mask_set, group_size)
+    dtypes = {model.get_submodule(name.removesuffix(".weight")).weight.dtype for name in mask_set.masks}
+    if dtypes != {torch.float32}:
+        raise LeapctlError(f"quantize needs the model in float32, got {sorted(map(str, dtypes))}")
+    return QUANTIZERS[method](model, mask_set, group_size, calib_ids, grid, **options)
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module, bits: int, group_size: int,
+                     grid: str = SYMMETRIC) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm_head's weight on the `bits` grid, every entry kept (a tied input embedding is the same tensor, so
+    it takes the same values); returns its fp16 scales, [rows, groups] on a 4-bit `grid` (with its zero
+    points on the asymmetric one), [rows] on the 8-bit one (`sparse_formats.int8_rows`), and the zero
+    points or None."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise LeapctlError("--lm-head-bits: the model has no lm_head (use --lm-head-bits 16)")
+    if bits == 8:
+        scales = int8_rows.row_scales(head.weight)
+        head.weight.copy_(int8_rows.dequantize(int8_rows.quantize_codes(head.weight, scales), scales)
+                          .to(head.weight.dtype))
+        return scales.cpu(), None
+    if head.weight.shape[1] % group_size:
+        raise LeapctlError(f"--lm-head-bits 4: --group-size {group_size} does not divide the "
+                           f"{head.weight.shape[1]} input columns of lm_head")
+    everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
+    weight, scales, zeros = rtn_quantize(head.weight, everything, group_size, grid)
+    head.weight.copy_(weight.to(head.weight.dtype))
+    return scales.cpu(), None if zeros is None else zeros.cpu()

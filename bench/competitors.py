@@ -178,7 +178,7 @@ def make_llama_1b_shape(out: Path, tokenizer_dir: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     source = json.loads((tokenizer_dir / "config.json").read_text())
-    from shapes import MODEL_SHAPES
+    from bench.shapes import MODEL_SHAPES
 
     shape = MODEL_SHAPES["Llama-3.2-1B"]
     config = LlamaConfig(vocab_size=source["vocab_size"], hidden_size=shape.hidden,

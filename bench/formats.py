@@ -8,9 +8,9 @@ matrix, what `bitmap` did before its block-wise encoder) runs in the same loop, 
 blocking is a ratio from one run; so does every encoder with one thread (`SPARSE_FORMATS_THREADS=1`), for
 the gain of the thread pool. The load average is recorded before and after: on a shared machine
 wall-clock throughput says as much about the neighbours as about the code.
-Writes bench/results/formats.json and formats.md.
+Writes bench/results/formats/formats.json and formats.md.
 
-    .venv/bin/python bench/formats.py [--rows 4096 --cols 14336 --repeats 3]
+    .venv/bin/python -m bench.formats [--rows 4096 --cols 14336 --repeats 3]
 """
 
 import argparse
@@ -24,10 +24,11 @@ from unittest import mock
 import numpy as np
 import torch
 
+from bench.harness import RESULTS as BENCH_RESULTS
 from sparse_formats import get_format, lossless_formats, nbytes
 from sparse_formats.checks import THREADS_ENV, encode_threads, raw_bits
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = BENCH_RESULTS / "formats"
 
 
 def best_time(fn, repeats: int) -> tuple[float, float, object]:
@@ -147,7 +148,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=14336)
@@ -155,7 +156,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = run(args.rows, args.cols, args.sparsities, args.repeats, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "formats.json").write_text(json.dumps(report, indent=2) + "\n")

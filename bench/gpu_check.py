@@ -17,7 +17,7 @@ Parts (`--parts` picks some):
 - decode: microseconds per call at M = 1, 4, 16 on Llama-3.1-8B's layer shapes at 50% and 60% sparsity:
   cuBLAS fp16 on the dense weight, tiled-bitmap fp16, bitmap-q4 (both grids, groups of 64, fp16 x), and
   torch's dense int4 matmul (`aten._weight_int4pack_mm`, bf16 x, groups of 128); CUDA graphs over enough
-  weight copies that every call reads its weight from HBM (bench/kernels.py's timing).
+  weight copies that every call reads its weight from HBM (bench/kernels/gpu.py's timing).
 - graph: a small Llama's whole decode step through the plugin's ops (bitmap-q4 tiles in every decoder
   linear, the 8-bit lm_head through GpuInt8, transformers' static KV cache) captured in one CUDA graph;
   replay against eager, both against the dense dequantised model; ms per step.
@@ -75,14 +75,14 @@ class Rows:
 
 
 def time_us(ctx: Context, calls: list[Callable[[], object]]) -> float:
-    """Median microseconds per call: a CUDA graph of all calls replayed (bench/gpu_timing.py), or on the CPU
+    """Median microseconds per call: a CUDA graph of all calls replayed (bench/harness.py), or on the CPU
     one timed pass after a warm-up."""
     def run_all() -> None:
         for call in calls:
             call()
 
     if ctx.cuda:
-        from gpu_timing import median_graph_ms
+        from bench.harness import median_graph_ms
 
         return median_graph_ms(run_all) * 1000 / len(calls)
     run_all()
@@ -291,8 +291,8 @@ def decode_methods(ctx: Context, n: int, k: int,
 
 
 def part_decode(ctx: Context) -> None:
-    from kernels import copies_for
-    from shapes import linear_shapes
+    from bench.kernels.gpu import copies_for
+    from bench.shapes import linear_shapes
 
     shapes = [(64, 256)] if ctx.dry_run else linear_shapes("Llama-3.1-8B")
     for n, k in shapes:

@@ -8,10 +8,10 @@ one host sync per step, gradient checkpointing per block, bf16 autocast on CUDA,
 --autocast), timed by its own per-step clock; the fine-tuning step trains every weight with the same
 checkpointing, autocast, optimizer and clipping.
 
-    python bench/learn_speed.py                       # CPU: the `small` shape
-    python bench/learn_speed.py --shape full --device cuda --batch 8 --seq-len 4096
+    python -m bench.learn_speed                       # CPU: the `small` shape
+    python -m bench.learn_speed --shape full --device cuda --batch 8 --seq-len 4096
 
-Writes bench/results/learn_speed.json and .md. The GPU targets of the issue: learn at >= 0.8x the
+Writes bench/results/learn_speed/learn_speed.json and .md. The GPU targets of the issue: learn at >= 0.8x the
 fine-tuning step's tokens/s and >= 3x the paper's 26k tokens/s per H100."""
 
 import argparse
@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import torch
-from shapes import MODEL_SHAPES
+
+from bench.harness import RESULTS
+from bench.shapes import MODEL_SHAPES
 
 _QWEN = MODEL_SHAPES["Qwen2.5-0.5B"]
 SHAPES = {
@@ -126,7 +128,7 @@ def _growth(result: dict) -> int:
     return result["process_peak_rss_bytes"] - result["rss_before_steps_bytes"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -142,8 +144,8 @@ def main() -> None:
                         help="bf16 autocast in both steps (default: on CUDA only)")
     parser.add_argument("--distill", type=float, default=None,
                         help="LEAP's distillation weight (default: the auto preset's, 1.0; 0 turns it off)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "learn_speed")
-    options = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "learn_speed" / "learn_speed")
+    options = parser.parse_args(argv)
     args = dict(shape=options.shape, device=options.device, batch=options.batch, seq_len=options.seq_len,
                 warmup=options.warmup, steps=options.steps, threads=options.threads,
                 checkpointing=not options.no_checkpointing, autocast=options.autocast,

@@ -1,6 +1,6 @@
-"""bench/ab_kernels.py's plumbing: a tree against itself gives one row per layer with both builds' figures and
-the same outputs bit for bit (a build that disagreed would say "no"), and a base that is neither a tree nor a
-revision ends with one line."""
+"""bench/kernels/ab.py's plumbing (`python -m bench.kernels --format bitmap-q4 --phase decode --base REV`): a
+tree against itself gives one row per layer with both builds' figures and the same outputs bit for bit (a
+build that disagreed would say "no"), and a base that is neither a tree nor a revision ends with one line."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import pytest
 from serving import cpu_kernel
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "ab_kernels.py"
+COMMAND = ["-m", "bench.kernels", "--format", "bitmap-q4", "--phase", "decode"]
 LAYOUTS = ("dense", "sparse")
 
 
@@ -21,8 +21,8 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     # The weights' cache in tmp_path; the kernel's build where this session built it (no second compile).
     env = {**os.environ, "LEAPCTL_CACHE": str(tmp_path / "cache"),
            "TORCH_EXTENSIONS_DIR": str(cpu_kernel.build_dir().parent), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, *COMMAND, *args], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
 
 
 @pytest.mark.slow

@@ -1,23 +1,18 @@
-"""bench/quality.py's bookkeeping: which rows of the last results file a partial rerun keeps, the table
-order, and --leap overrides. An hour of LEAP is redone alone, so losing or duplicating the other rows would
-silently corrupt the published table."""
+"""bench/quality/prune.py's bookkeeping (`python -m bench.quality prune`): which rows of the last results file
+a partial rerun keeps, the table order, and --leap overrides. An hour of LEAP is redone alone, so losing or
+duplicating the other rows would silently corrupt the published table."""
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "quality.py"
-
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("bench_quality", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from bench.quality import prune
+
+    return prune
 
 
 META = {

@@ -1,0 +1,3 @@
+from bench.kernels import main
+
+main()

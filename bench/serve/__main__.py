@@ -1,0 +1,3 @@
+from bench.serve import main
+
+main()

@@ -35,6 +35,18 @@ HELDOUT_EVERY = 50  # every 50th summary is held apart: about 2% (200 summaries,
 _TOKENIZE_CHUNK = 256  # documents per tokenizer call: batched for speed, small enough for a live progress bar
 
 
+def check_source(source: str) -> Path | None:
+    """The path of a file or folder source (None for a built-in name); one line when it is neither, so a
+    command can refuse it before any model loads."""
+    if source in BUILTIN_SOURCES:
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise LeapctlError(f"calibration source {source!r} is neither a built-in name "
+                           f"({', '.join(BUILTIN_SOURCES)}) nor an existing file or folder")
+    return path
+
+
 def load_documents(source: str, text_field: str = "text") -> list[str]:
     """The documents of a source (see the module docstring), in a deterministic order; empty
     documents are dropped. `generated` has no documents: use `calibration_batch` or `corpus_ids`."""
@@ -45,10 +57,7 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
         heldout = source == WIKI_SUMMARIES_HELDOUT
         docs = [doc for i, doc in enumerate(summaries) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout]
     else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise LeapctlError(f"calibration source {source!r} is neither a built-in name "
-                               f"({', '.join(BUILTIN_SOURCES)}) nor an existing file or folder")
+        path = check_source(source)
         if path.is_dir():
             saved = _is_saved_dataset(path)
             docs = _dataset_documents(path, text_field) if saved else _folder_documents(path)

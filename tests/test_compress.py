@@ -83,6 +83,8 @@ def test_a_rerun_after_a_kill_does_not_redo_finished_stages(stories260k_dir, tmp
     (("--budget", "0"), "--budget"),
     (("--budget", "ten minutes"), "--budget"),
     (("--stages", "prune,distil"), "unknown stage"),
+    (("--stages", "recover,learn"), "learn comes right after prune"),
+    (("--stages", "recover,quantize,recover"), "named twice"),
 ])
 def test_bad_options_fail_in_one_line_and_write_nothing(stories260k_dir, tmp_path, extra, message):
     done = leapctl(*compress_args(stories260k_dir, tmp_path / "model"), *extra)
@@ -94,7 +96,9 @@ def test_bad_options_fail_in_one_line_and_write_nothing(stories260k_dir, tmp_pat
 def test_budgets_read_as_minutes_or_tokens():
     assert parse_budget("45").minutes == 45 and parse_budget("1.5h").minutes == 90
     assert parse_budget("300ktok").tokens == 300_000 and parse_budget("2Mtok").tokens == 2_000_000
-    assert parse_stages("quantize, recover") == ("prune", "recover", "quantize")
+    assert parse_stages("recover, quantize") == ("prune", "recover", "quantize")
+    assert parse_stages("quantize,recover") == ("prune", "quantize", "recover")  # recovery on the grid
+    assert parse_stages("prune,learn,recover") == ("prune", "learn", "recover")
 
 
 def test_the_plan_spends_the_budget_on_the_stages_named():
@@ -106,3 +110,11 @@ def test_the_plan_spends_the_budget_on_the_stages_named():
     assert plan.learn_steps > 0 and plan.recover_steps > 0
     with pytest.raises(LeapctlError, match="fewer than 10 steps"):
         make_plan(config, parse_budget("20ktok"), None, None, checkpointing=False)
+
+
+def test_recovery_after_quantize_takes_the_tuning_steps():
+    """Quantize is not the last stage: its scales are not tuned, recovery on the grid gets every step."""
+    config = CompressConfig(model="m", sparsity=0.5, out="o", stages="quantize,recover")
+    config.validate()
+    plan = make_plan(config, parse_budget("200ktok"), None, None, checkpointing=False)
+    assert plan.tune_steps == 0 and plan.recover_steps == 200_000 // (BATCH_SIZE * SEQ_LEN)

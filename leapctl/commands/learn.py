@@ -153,12 +153,15 @@ def main(config: LearnConfig) -> int:
 
 
 def _print_plan(config: LearnConfig) -> None:
-    """Rank 0 shows the memory plan before anything loads (`run` refuses one that does not fit)."""
+    """Rank 0 shows the memory plan's peak in one line before anything loads, once the text source is
+    known to exist (`run` refuses a plan that does not fit; `--plan` prints the whole table)."""
+    from leapctl.data import check_source
     from leapctl.learn.processes import world_from_environment
 
     world, rank = world_from_environment()
+    check_source(config.calib)
     if rank == 0:
-        typer.echo(_fitting_plan(_checked(config, world), world).table(), err=True)
+        typer.echo(_fitting_plan(_checked(config, world), world).summary())
 
 
 def _inputs(config: LearnConfig) -> tuple:

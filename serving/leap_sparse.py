@@ -263,7 +263,7 @@ class LeapSparseLinearMethod(LinearMethodBase):
         layer.leap_native = device.type == "cpu" and self.config.native_cpu_kernel()
         layer.leap_pairs = layer.leap_native and self.config.int8_activations(weight, layer.leap_params_dtype)
         if layer.leap_pairs:
-            pairs = weight.pairs()
+            pairs = weight.pairs(checked=True)  # process_weights_after_loading checked the weight
             if pairs.pruned_at_zero:
                 self.config.layout_note = "; pruned weights read as zero-point codes (AVX2: no byte expand)"
             layer.leap_n_rows = pairs.n_rows
@@ -313,11 +313,13 @@ class LeapSparseLinearMethod(LinearMethodBase):
             if layer.leap_pairs:
                 return torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(
                     x, layer.masks, layer.codes, layer.block_offsets, layer.scales, layer.leap_n_rows,
-                    layer.leap_n_cols, bias, zeros)
-            native = layer.leap_native and x.dtype in (torch.bfloat16, torch.float32)
-            op = torch.ops.leap_sparse_cpu.bitmap_q4_linear if native else bitmap_q4_linear
-            return op(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets, layer.leap_n_cols, bias,
-                      zeros)
+                    layer.leap_n_cols, bias, zeros, checked=True)
+            if layer.leap_native and x.dtype in (torch.bfloat16, torch.float32):
+                return torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, layer.bitmap, layer.codes, layer.scales,
+                                                                  layer.row_offsets, layer.leap_n_cols, bias,
+                                                                  zeros, checked=True)
+            return bitmap_q4_linear(x, layer.bitmap, layer.codes, layer.scales, layer.row_offsets,
+                                    layer.leap_n_cols, bias, zeros)
         if layer.leap_tiled is not None:
             tensors, names, n_rows = layer.leap_tiled
             return tiled_bitmap_linear(x, tensors, names, n_rows, bias)

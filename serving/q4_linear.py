@@ -186,14 +186,16 @@ class Q4Weight:
         weight's device."""
         return q4_gpu_kernel().Q4Tiles.from_stored(self.tensors())
 
-    def pairs(self, pruned_at_zero: bool | None = None) -> "Q4Pairs":
+    def pairs(self, pruned_at_zero: bool | None = None, checked: bool = False) -> "Q4Pairs":
         """The layout the native int8-x kernel reads (needs the native op loaded and 64-column groups).
         `pruned_at_zero` (the asymmetric grid only): every column a code, a pruned one its group's zero
-        point (the value 0). None: `pruned_at_zero_by_default`."""
+        point (the value 0). None: `pruned_at_zero_by_default`. `checked`: this weight's layout was checked
+        (`check()`, as a layer does at load), so the op skips its own check of the row offsets."""
         if pruned_at_zero is None:
             pruned_at_zero = pruned_at_zero_by_default(self.zeros is not None)
         masks, codes, block_offsets, scales, zeros = torch.ops.leap_sparse_cpu.bitmap_q4_pack_pairs(
-            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros, pruned_at_zero)
+            self.bitmap, self.codes, self.scales, self.row_offsets, self.n_cols, self.zeros, pruned_at_zero,
+            checked=checked)
         return Q4Pairs(masks, codes, block_offsets, scales, self.rows, self.n_cols, zeros, pruned_at_zero)
 
     def nbytes(self) -> int:
@@ -206,9 +208,10 @@ class Q4Pairs:
     rows in blocks of 4, each block's 64-bit masks, 4-bit codes and fp16 scales in the order the kernel reads
     them. Made at load by `Q4Weight.pairs`; multiplied by
     `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols,
-    bias, zeros=zeros)`. `zeros`: the asymmetric grid's zero points (one byte per row and group, in the
-    scales' order), empty for the symmetric grid. `pruned_at_zero`: the dense layout made from a sparse
-    weight, each pruned column its group's zero point."""
+    bias, zeros=zeros, checked=True)` (`checked=True`: a layout that `pairs` made from a checked weight, so
+    the op skips its check of the block offsets). `zeros`: the asymmetric grid's zero points (one byte per
+    row and group, in the scales' order), empty for the symmetric grid. `pruned_at_zero`: the dense layout
+    made from a sparse weight, each pruned column its group's zero point."""
 
     masks: torch.Tensor
     codes: torch.Tensor

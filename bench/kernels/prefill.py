@@ -85,12 +85,13 @@ def make_ops(x: torch.Tensor, t: dict, dense: torch.Tensor, pairs, onednn, wante
         def i8(mode: str):
             def run():
                 ops.bitmap_q4_i8_prefill(mode)
-                return ops.bitmap_q4_i8_linear(x, *pairs.tensors().values(), pairs.n_rows, k, None)
+                return ops.bitmap_q4_i8_linear(x, *pairs.tensors().values(), pairs.n_rows, k, None,
+                                               checked=True)
             return run
         made["q4-i8"] = i8("int8")
         made["q4-i8t"] = i8("tiles")
     parts = (t["bitmap"], t["codes"], t["scales"], t["row_offsets"])
-    made["q4"] = lambda: ops.bitmap_q4_linear(x, *parts, k, None)
+    made["q4"] = lambda: ops.bitmap_q4_linear(x, *parts, k, None, checked=True)
     return {name: run for name, run in made.items() if name in wanted}
 
 

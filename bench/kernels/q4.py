@@ -143,10 +143,10 @@ def measure_layer(args, onednn, bandwidth, model, layer, n, k, sparsity, group, 
     q4_op, bitmap_op = torch.ops.leap_sparse_cpu.bitmap_q4_linear, torch.ops.leap_sparse_cpu.bitmap_linear
 
     def q4_call(x, w):
-        return q4_op(x, *w[:4], k, None, w[4])
+        return q4_op(x, *w[:4], k, None, w[4], checked=True)  # the layout made here: timed unchecked
 
     def i8_call(x, w):
-        return i8_op(x, *w[:4], n, k, None, w[4])
+        return i8_op(x, *w[:4], n, k, None, w[4], checked=True)
 
     rows = []
     for threads in args.threads:

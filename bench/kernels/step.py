@@ -66,12 +66,14 @@ def call(weight: Q4Weight, huge: bool, activations: str):
         named = {name: place(t) for name, t in pairs.tensors().items()}
         zeros = named.pop("zeros", None)  # the asymmetric grid's
         op = torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear
-        return (lambda x: op(x, *named.values(), pairs.n_rows, pairs.n_cols, None, zeros)), pairs.nbytes()
+        def call(x):
+            return op(x, *named.values(), pairs.n_rows, pairs.n_cols, None, zeros, checked=True)
+        return call, pairs.nbytes()
     parts = tuple(place(t) for t in (weight.bitmap, weight.codes, weight.scales, weight.row_offsets))
     zeros = None if weight.zeros is None else place(weight.zeros)
     nbytes = sum(t.numel() * t.element_size() for t in parts + (() if zeros is None else (zeros,)))
     op = torch.ops.leap_sparse_cpu.bitmap_q4_linear
-    return (lambda x: op(x, *parts, weight.n_cols, None, zeros)), nbytes
+    return (lambda x: op(x, *parts, weight.n_cols, None, zeros, checked=True)), nbytes
 
 
 def read_probe(nbytes: int, huge: bool):

@@ -108,8 +108,7 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
             stored = Q4Weight.from_tensors(self.name, parts)
             args = (stored.bitmap, stored.codes, stored.scales, stored.row_offsets, stored.n_cols, None,
                     stored.zeros)
-            ops = {name: partial(_call_in, active, bitmap_q4_linear if name == "decode"
-                                 else torch.ops.leap_sparse_cpu.bitmap_q4_linear, args)
+            ops = {name: partial(_call_in, active, bitmap_q4_linear if name == "decode" else _native_q4, args)
                    for name, active in q4_paths.items()}
             self._check_ops(layer, weight, ops, lambda x: x.float(), report, gen)
 
@@ -139,6 +138,11 @@ class BitmapQ4Exporter(SparseCheckpointExporter):
 def grid_of(run: Run) -> str:
     """The 4-bit grid a quantized run's kept weights sit on: asymmetric where it holds zero points."""
     return ASYMMETRIC if run.zeros else SYMMETRIC
+
+
+def _native_q4(x: torch.Tensor, *args) -> torch.Tensor:
+    """The native op on a layout `Q4Weight.from_tensors` checked, so without its own offset check."""
+    return torch.ops.leap_sparse_cpu.bitmap_q4_linear(x, *args, checked=True)
 
 
 def _call_in(active, op, args: tuple, x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bitmap_kernels.h"
+#include "offset_checks.h"
 #include "op_common.h"
 
 namespace leap_sparse {
@@ -85,17 +86,6 @@ std::string set_isa_op(std::string name) {
   return isa_name(wanted);
 }
 
-int64_t popcount_row(const uint8_t* row, int64_t bytes) {
-  int64_t count = 0, i = 0;
-  for (; i + 8 <= bytes; i += 8) {
-    uint64_t word;
-    std::memcpy(&word, row + i, 8);
-    count += __builtin_popcountll(word);
-  }
-  for (; i < bytes; ++i) count += __builtin_popcount(row[i]);
-  return count;
-}
-
 at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                          const at::Tensor& row_offsets, int64_t n_cols,
                          const std::optional<at::Tensor>& bias, bool checked) {
@@ -127,18 +117,11 @@ at::Tensor bitmap_linear(const at::Tensor& x, const at::Tensor& bitmap, const at
   const int64_t stride = bits.size(1), n_values = vals.numel();
   const int64_t* offset = offsets.data_ptr<int64_t>();
   const uint8_t* last_row = bits.data_ptr<uint8_t>() + (rows - 1) * stride;
-  TORCH_CHECK(offset[0] == 0 && offset[rows - 1] + popcount_row(last_row, stride) == n_values,
+  TORCH_CHECK(offset[0] == 0 && offset[rows - 1] + row_values(last_row, stride) == n_values,
               "leap_sparse_cpu::bitmap_linear: row_offsets and bitmap do not account for the ", n_values,
               " values (check the layout with sparse_formats.get_format('bitmap').check)");
-  if (!checked) {
-    // Each row starts where the rows before it end (so offsets never decrease and stay in `values`).
-    int64_t start = 0;
-    for (int64_t row = 0; row < rows; ++row) {
-      TORCH_CHECK(offset[row] == start, "leap_sparse_cpu::bitmap_linear: row_offsets[", row, "] is ",
-                  offset[row], ", but the bitmap puts that row's first value at ", start);
-      start += popcount_row(bits.data_ptr<uint8_t>() + row * stride, stride);
-    }
-  }
+  // Each row starts where the rows before it end (so offsets never decrease and stay in `values`).
+  if (!checked) check_bitmap_offsets("leap_sparse_cpu::bitmap_linear", bits.data_ptr<uint8_t>(), stride, offset, rows, n_values);
 
   at::Tensor x2 = x.reshape({m, n_cols});
   if (n_cols > 0 && x2.stride(1) != 1) x2 = x2.contiguous();

@@ -1,20 +1,23 @@
 // The torch ops of bitmap-q4 weights with int8 x (the plugin's `activations=int8`):
 //   leap_sparse_cpu::bitmap_q4_i8_available() -> whether this CPU and the chosen ISA run them
 //   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols, zeros=None,
-//                                         pruned_at_zero=False)
+//                                         pruned_at_zero=False, checked=False)
 //       -> (masks, codes, block_offsets, scales, zeros): the pair layout (bitmap_q4_kernels.h) of a checked
 //          bitmap-q4 weight, made once at load; zeros (the asymmetric grid's zero points as stored, uint8 [rows,
 //          (groups + 1) / 2], two to a byte) become one byte per row and group in the scales' order, or an empty
 //          tensor (the symmetric grid) where none are given. pruned_at_zero (the asymmetric grid only): the dense
 //          layout, every column a code, a pruned one its group's zero point (the value 0): for CPUs without a
-//          byte expand, where reading those codes costs less than placing the kept ones (bitmap_q4_i8_avx2.cpp)
+//          byte expand, where reading those codes costs less than placing the kept ones (bitmap_q4_i8_avx2.cpp).
+//          Unless `checked` (a weight checked at load), the row offsets are checked first (offset_checks.h)
 //   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None,
-//                                        zeros=None)
+//                                        zeros=None, checked=False)
 //       -> y = x W^T + b from the pair layout (zeros: pack_pairs' zeros, None or empty for the symmetric grid):
 //          x is quantized to int8 per row and weight group (scale max|x| /
 //          127) and multiplied in integers: up to kPairMaxM rows (decoding steps) straight from the layout,
 //          more (prefill) by a GEMM on panels of W decoded for it (bitmap_q4_i8_avx512.cpp's header: 0.57x the
 //          time of the tiles below at 400 rows of Llama-3.2-1B's layer, 0.60x vLLM's oneDNN bf16 linear).
+//          Unless `checked` (a layout pack_pairs made from a checked weight, as the vLLM layer's), the block
+//          offsets and pass headers are checked against the masks first (offset_checks.h)
 //   leap_sparse_cpu::bitmap_q4_i8_prefill(mode="") -> "int8" (the default) or "tiles": how the op multiplies
 //          more than kPairMaxM rows; "tiles" multiplies x as it is with exact decoded tiles of W and ATen's GEMM
 //          (for bf16 x decoded straight to bf16: each exact value rounded once), as bitmap_q4_linear does. Set
@@ -37,6 +40,7 @@
 #include <vector>
 
 #include "bitmap_q4_kernels.h"
+#include "offset_checks.h"
 #include "op_common.h"
 
 namespace leap_sparse {
@@ -118,14 +122,9 @@ void pack_pair(uint64_t mask, const uint8_t* codes, int nibble, uint8_t* out, in
   }
 }
 
-// The code bytes of rows 2 rp and 2 rp + 1 of a block at one pair: the longer row's count.
-int64_t row_pair_bytes(uint64_t first, uint64_t second) {
-  return std::max(__builtin_popcountll(first), __builtin_popcountll(second));
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
     const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_offsets,
-    int64_t n_cols, const std::optional<at::Tensor>& zeros, bool pruned_at_zero) {
+    int64_t n_cols, const std::optional<at::Tensor>& zeros, bool pruned_at_zero, bool checked) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
   TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0, kOp, ": n_cols must be a positive multiple of 64, got ", n_cols);
   TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && row_offsets.device().is_cpu() &&
@@ -148,6 +147,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
   const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
   const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
   const uint8_t* bit_data = bits.data_ptr<uint8_t>();
+  // Each row's codes are read from its offset on: unless `checked`, the offsets must agree with the bitmap.
+  if (!checked) check_q4_offsets(kOp, bit_data, n_cols, offsets.data_ptr<int32_t>(), rows, code.numel());
   const auto mask_of = [&](int64_t row, int64_t q) -> uint64_t {
     return row < rows ? pair_mask(bit_data + row * (n_cols / 8), q) : 0;
   };
@@ -236,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
 at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
                                const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
                                int64_t n_cols, const std::optional<at::Tensor>& bias,
-                               const std::optional<at::Tensor>& zeros) {
+                               const std::optional<at::Tensor>& zeros, bool checked) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
   TORCH_CHECK(i8_available(), kOp, " needs AVX2 (or AVX-512 with VNNI, VBMI2 and GFNI) and that ISA chosen");
   const bool avx512 = avx512_i8();
@@ -291,6 +292,7 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   TORCH_CHECK(p.block_offsets[0] == 0 && p.block_offsets[blocks - 1] <= code.numel() - kPairPad &&
                   (!dense || code.numel() == blocks * kPairRows * (n_cols / 2) + kPairPad), kOp,
               ": block_offsets do not fit the codes (make them with bitmap_q4_pack_pairs)");
+  if (!checked) check_pair_offsets(kOp, p.masks, p.codes, code.numel(), p.block_offsets, blocks, n_cols / 64);
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (n_cols * kPairRows));
 
   if (m <= kPairMaxM || (!avx512 && g_prefill_int8.load())) {
@@ -353,10 +355,10 @@ TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_i8_available() -> bool", &leap_sparse::i8_available);
   m.def("bitmap_q4_i8_prefill(str mode=\"\") -> str", &leap_sparse::prefill_op);
   m.def("bitmap_q4_pack_pairs(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
-        "Tensor? zeros=None, bool pruned_at_zero=False) -> (Tensor masks, Tensor codes, Tensor block_offsets, "
+        "Tensor? zeros=None, bool pruned_at_zero=False, bool checked=False) -> (Tensor masks, Tensor codes, Tensor block_offsets, "
         "Tensor scales, Tensor zeros)");
   m.def("bitmap_q4_i8_linear(Tensor x, Tensor masks, Tensor codes, Tensor block_offsets, Tensor scales, "
-        "int n_rows, int n_cols, Tensor? bias=None, Tensor? zeros=None) -> Tensor");
+        "int n_rows, int n_cols, Tensor? bias=None, Tensor? zeros=None, bool checked=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leap_sparse_cpu, CPU, m) {

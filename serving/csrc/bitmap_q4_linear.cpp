@@ -1,8 +1,11 @@
 // The torch ops of the native CPU linear layer on the `bitmap-q4` layout (sparse_formats/bitmap_q4.py):
-//   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None)
+//   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None,
+//                                     checked=False)
 //       -> y = x W^T + b, W[r, c] = scales[r, c / G] * (code - 7.5) where kept, 0 elsewhere; with zeros (the
 //          asymmetric grid, bitmap_q4_kernels.h: far less quality lost than with 7.5) scales[r, c / G] *
-//          (code - zero of row r and group c / G); bitmap_q4_avx512.cpp measures what it costs
+//          (code - zero of row r and group c / G); bitmap_q4_avx512.cpp measures what it costs. Unless `checked`
+//          (the caller checked the layout once, as the vLLM layer does at load), every row offset is checked
+//          against the bitmap first (offset_checks.h): a corrupt one would read outside `codes`
 //   leap_sparse_cpu::bitmap_q4_validate(bitmap, codes, scales, row_offsets, n_cols, zeros=None)
 //       -> checks every row's offset against the bitmap (once, when a layer loads: it reads the whole bitmap)
 // Registered as a fragment of the leap_sparse_cpu library that bitmap_linear.cpp defines, and using the
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "bitmap_q4_kernels.h"
+#include "offset_checks.h"
 #include "op_common.h"
 
 namespace leap_sparse {
@@ -41,17 +45,6 @@ Q4Isa current_q4_isa() {
   TORCH_CHECK(isa != "none" && bmi2, "leap_sparse_cpu::bitmap_q4_linear: this CPU has neither AVX-512 (with "
               "VBMI, VBMI2 and BF16) nor AVX2 with FMA, F16C and BMI2");
   return Q4Isa::Avx2;
-}
-
-// Bytes of codes of one row: ceil(popcount / 2) per 32-column word.
-int64_t row_code_bytes(const uint8_t* row, int64_t words) {
-  int64_t bytes = 0;
-  for (int64_t w = 0; w < words; ++w) {
-    uint32_t word;
-    std::memcpy(&word, row + 4 * w, 4);
-    bytes += (__builtin_popcount(word) + 1) / 2;
-  }
-  return bytes;
 }
 
 // The shape and dtype checks both ops make; returns the group size.
@@ -88,7 +81,8 @@ void check_zeros(const char* op, const std::optional<at::Tensor>& zeros, const a
 
 at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor& row_offsets, int64_t n_cols,
-                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& zeros) {
+                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& zeros,
+                            bool checked) {
   constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_linear";
   const Q4Isa isa = current_q4_isa();
   const int64_t group = check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
@@ -110,13 +104,14 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
   const int64_t n_codes = code.numel();
   const int32_t* offset = offsets.data_ptr<int32_t>();
   // The first and last rows' offsets (O(1) work per call): with them every row's loads stay inside the
-  // codes tensor or its padded copy unless the offsets between disagree with the bitmap, which
-  // bitmap_q4_validate checks once per layer.
+  // codes tensor or its padded copy unless the offsets between disagree with the bitmap, which the check
+  // below finds (skipped with `checked`: a layout checked once, by bitmap_q4_validate or the format's check).
   TORCH_CHECK(offset[0] == 0 && offset[rows - 1] >= 0 && offset[rows - 1] <= n_codes &&
                   offset[rows - 1] + row_code_bytes(bits.data_ptr<uint8_t>() + (rows - 1) * (n_cols / 8),
                                                     n_cols / 32) == n_codes,
               kOp, ": row_offsets and bitmap do not account for the ", n_codes, " bytes of codes (check the "
               "layout with sparse_formats.get_format('bitmap-q4').check)");
+  if (!checked) check_q4_offsets(kOp, bits.data_ptr<uint8_t>(), n_cols, offset, rows, n_codes);
 
   at::Tensor x2 = x.reshape({m, n_cols});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -188,15 +183,7 @@ void bitmap_q4_validate(const at::Tensor& bitmap, const at::Tensor& codes, const
   check_layout(kOp, bitmap, codes, scales, row_offsets, n_cols);
   check_zeros(kOp, zeros, scales);
   const at::Tensor bits = bitmap.contiguous(), offsets = row_offsets.contiguous();
-  const int32_t* offset = offsets.data_ptr<int32_t>();
-  int64_t expected = 0;
-  for (int64_t row = 0; row < bits.size(0); ++row) {
-    TORCH_CHECK(offset[row] == expected, kOp, ": row_offsets[", row, "] is ", offset[row],
-                ", but the bitmap puts that row's first code at byte ", expected);
-    expected += row_code_bytes(bits.data_ptr<uint8_t>() + row * (n_cols / 8), n_cols / 32);
-  }
-  TORCH_CHECK(expected == codes.numel(), kOp, ": the bitmap needs ", expected, " bytes of codes, codes holds ",
-              codes.numel());
+  check_q4_offsets(kOp, bits.data_ptr<uint8_t>(), n_cols, offsets.data_ptr<int32_t>(), bits.size(0), codes.numel());
 }
 
 }  // namespace
@@ -204,7 +191,7 @@ void bitmap_q4_validate(const at::Tensor& bitmap, const at::Tensor& codes, const
 
 TORCH_LIBRARY_FRAGMENT(leap_sparse_cpu, m) {
   m.def("bitmap_q4_linear(Tensor x, Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
-        "Tensor? bias=None, Tensor? zeros=None) -> Tensor");
+        "Tensor? bias=None, Tensor? zeros=None, bool checked=False) -> Tensor");
   m.def("bitmap_q4_validate(Tensor bitmap, Tensor codes, Tensor scales, Tensor row_offsets, int n_cols, "
         "Tensor? zeros=None) -> ()");
 }

@@ -43,7 +43,8 @@ def run(config: RecoverConfig) -> dict:
     autocast = config.autocast if config.autocast is not None else native_bf16(device)
     checkpointing = (config.gradient_checkpointing if config.gradient_checkpointing is not None
                      else device.type == "cuda")
-    fingerprint = {**config.fingerprint(autocast), "teacher": teacher_spec, "calib": calib}
+    fingerprint = {**config.fingerprint(autocast), "teacher": teacher_spec, "calib": calib,
+                   "lr": config.learning_rate(source.scales is not None)}  # the rate used, default or not
     inputs = (config.run, calib, teacher_spec)
     refuse_bad_start(config.state_dir(), Path(config.out), inputs, config.overwrite, config.resume,
                      fingerprint, "recovery")

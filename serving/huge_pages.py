@@ -12,11 +12,11 @@ the same peak RSS.
 2 MiB pages are `madvise(MADV_HUGEPAGE)`d before anything touches them, so the kernel backs them with huge
 pages when it faults them in; its ragged end stays on 4 KiB pages, so resident memory grows by nothing.
 Smaller tensors (the 1B shape's q/k/v and o layers, every layer's scales and zero points) share 32 MiB arenas
-advised the same way: before, they stayed on 4 KiB pages, and the worker held 328 MiB on huge pages of the
-60% model's ~460 MiB. Measured (bench/decode_sweep.py on the 1B shape's 60% asymmetric export, huge pages,
-int8 x, core 0, 7 runs alternating by process): cold 13.14-13.66 ms a step against 13.30-14.08, lower in
-every pair by 0.16-0.52 ms; hot the same. Other devices, non-contiguous tensors, systems without madvise and
-`LEAP_SPARSE_HUGE_PAGES=0` get the tensor back unchanged."""
+advised the same way: before, they stayed on 4 KiB pages, and the worker held 328 MiB on huge pages of the 60%
+model's ~460 MiB. Measured (`python -m bench.kernels --format bitmap-q4 --phase step` on the 1B shape's 60%
+asymmetric export, huge pages, int8 x, core 0, 7 runs alternating by process): cold 13.14-13.66 ms a step
+against 13.30-14.08, lower in every pair by 0.16-0.52 ms; hot the same. Other devices, non-contiguous tensors,
+systems without madvise and `LEAP_SPARSE_HUGE_PAGES=0` get the tensor back unchanged."""
 
 import ctypes
 import ctypes.util

@@ -1,7 +1,7 @@
 """The 8-bit dense weight (`int8-rows`: int8 codes, one fp16 scale per row) that a `leap_sparse` lm_head
 holds when `leapctl quantize --lm-head-bits 8` (the default) put it on that grid, and its ops.
 
-On CPU the layer multiplies decoding steps with leapctl's own op (`NativeInt8`: serving/csrc/int8_rows_*.cpp,
+On CPU the layer multiplies decoding steps with leapctl's own op (`NativeInt8`: serving/csrc/int8_rows/,
 AVX-512 VNNI or AVX2, the codes as stored, read once per call) and more rows of x through vLLM's int8 GEMM
 (oneDNN, `OneDNNInt8`, the weight packed on first use) where that is exact, x quantized to int8 per row (scale
 max|x| / 127) in both.
@@ -110,7 +110,7 @@ class OneDNNInt8:
         return out.reshape(*x.shape[:-1], self.handler.n)
 
 
-# Rows of x the native op takes (kInt8RowsMaxM in serving/csrc/int8_rows_kernels.h): decoding steps of up to
+# Rows of x the native op takes (kInt8RowsMaxM in serving/csrc/int8_rows/kernels.h): decoding steps of up to
 # this many sequences. Above, each row's pass over the weight would cost what a GEMM's whole call costs.
 INT8_ROWS_MAX_M = 8
 
@@ -120,7 +120,8 @@ class NativeInt8:
     codes on huge pages, each row's sum of codes made here once), vLLM's oneDNN GEMM above (packed on the
     first such call, which then holds the weight twice), or the portable path without vLLM.
     Why: for the Llama-3.2-1B shape's head (49152 x 2048, one row of x, 1 thread, read from DRAM) oneDNN took
-    3.67 ms a call, this op 2.82, about the machine's read bandwidth (bench/lm_head_int8.py)."""
+    3.67 ms a call, this op 2.82, about the machine's read bandwidth
+    (`python -m bench.kernels --format int8-rows`)."""
 
     def __init__(self, weight: "Int8Weight", out_dtype: torch.dtype) -> None:
         self.weight = Int8Weight(huge_page_copy(weight.qweight.contiguous()), weight.scales.contiguous())

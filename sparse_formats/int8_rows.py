@@ -4,7 +4,7 @@ whole but should not read in 16 bits (lm_head: 28M of SmolLM2-135M's 134M weight
 A weight is `scale * code` with `code` in -127..127 (symmetric; -128 unused so that the grid is its own
 negation) and `scale` one fp16 per row: the row's largest |w| maps to 127. Per row, not per group, because
 the served op (vLLM's oneDNN int8 GEMM on CPU) takes one weight scale per output channel; on SmolLM2's
-lm_head that costs +0.1% perplexity against the dense head (`bench/quality_head.py`).
+lm_head that costs +0.1% perplexity against the dense head (`python -m bench.quality head`).
 
 Tensors for a [rows, cols] weight:
 - `shape`: int64[2].

@@ -14,7 +14,7 @@ q/o, k/v, gate/up, down), each sparsity, group size and M rows of x (bf16), it t
   grid has both (its result is checked against the same tolerance: it rounds x to int8);
 - bitmap: `torch.ops.leap_sparse_cpu.bitmap_linear` on the `bitmap` encoding with bf16 values;
 - `torch.nn.functional.linear` on the dense masked weight in bf16, and vLLM's oneDNN linear where vLLM's CPU
-  ops import (as bench/cpu_kernels.py sets it up).
+  ops import (as `bench/kernels/bitmap.py` sets it up).
 Decode reads every weight from DRAM, so each op cycles through copies of its own weight that together hold
 at least --rotate-mib MiB (8x the 32 MiB L3 by default; the q4 copies are 5x smaller than the dense ones,
 so each op gets its own copy count); the ops take turns repetition by repetition so that load from other

@@ -51,7 +51,7 @@ def run(config: LearnConfig, show_plan: "Callable[[MemoryPlan], None] | None" = 
     from leapctl.learn.processes import bind_device, shutdown, start_group, world_from_environment
     from leapctl.learn.start import quantize_frozen
     from leapctl.learn.train import LearnInterrupted, autocast_on, train
-    from leapctl.models import load_model
+    from leapctl.models import load_model, model_layout
 
     world, rank = world_from_environment()
     if config.plan:
@@ -69,14 +69,16 @@ def run(config: LearnConfig, show_plan: "Callable[[MemoryPlan], None] | None" = 
     transformers_logging.disable_progress_bar()  # our own progress bars only; errors stay one line
     with _new_state_removed_on_failure(config.state_dir(), master):
         model, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype], device=device)
-        scales = quantize_frozen(model, config)
-        init = _prepare_start(config, model, tokenizer, device, distributed) if master else None
+        layout = model_layout(model, config.include, config.exclude)  # found once, passed down
+        scales = quantize_frozen(model, config, layout)
+        init = _prepare_start(config, model, tokenizer, device, distributed, layout) if master else None
         texts = run_texts(config, model, tokenizer) if master else {}
         dense_ppl = perplexities(model, texts, config.seq_len, config.progress)
         start_group(device, world, config.dist_timeout_s)
         corpus, init = _read_start(config, distributed, master, init)
         try:
-            learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint)
+            learned = train(model, tokenizer, corpus, config, init=init, fingerprint=fingerprint,
+                            layout=layout)
         except LearnInterrupted as stop:
             shutdown(distributed)
             return LearnResult(out=None, steps_done=stop.steps_done, interrupted_by=stop.signal_number,
@@ -84,7 +86,7 @@ def run(config: LearnConfig, show_plan: "Callable[[MemoryPlan], None] | None" = 
     shutdown(distributed)  # every collective is done: rank 0 alone writes the run
     if not master:  # rank 0 writes the run after the group has ended: nothing to wait for
         return LearnResult(out=None, steps_done=config.steps, state_dir=config.state_dir())
-    _finish_and_write(config, model, tokenizer, learned, corpus, scales, texts, dense_ppl, device,
+    _finish_and_write(config, model, layout, tokenizer, learned, corpus, scales, texts, dense_ppl, device,
                       sharded=distributed and config.fsdp)
     return LearnResult(out=Path(config.out), steps_done=config.steps, state_dir=config.state_dir())
 
@@ -109,7 +111,7 @@ def _fitting_plan(config: LearnConfig, world: int) -> "MemoryPlan":
     return plan
 
 
-def _finish_and_write(config: LearnConfig, model, tokenizer, learned, corpus, scales, texts: dict,
+def _finish_and_write(config: LearnConfig, model, layout, tokenizer, learned, corpus, scales, texts: dict,
                       dense_ppl: dict, device, sharded: bool) -> None:
     """Rank 0, after the process group: under FSDP2 the trained model is sharded, so a fresh copy is
     pruned; then the sparse perplexities, the run folder and the state folder's cleanup."""
@@ -117,16 +119,17 @@ def _finish_and_write(config: LearnConfig, model, tokenizer, learned, corpus, sc
     from leapctl.learn.heldout import perplexities, report_entry
     from leapctl.learn.start import quantize_frozen
     from leapctl.learn.train import finish_weights
-    from leapctl.models import load_model
+    from leapctl.models import load_model, model_layout
 
     if sharded:
-        del model  # the shards go before the fresh copy comes
+        del model, layout  # the shards go before the fresh copy comes
         model, _ = load_model(config.model, dtype=DTYPES[config.dtype], device=device)
-        quantize_frozen(model, config)
+        layout = model_layout(model, config.include, config.exclude)
+        quantize_frozen(model, config, layout)
         finish_weights(model, learned, corpus, config)
     sparse_ppl = perplexities(model.eval(), texts, config.seq_len, config.progress)
     heldout = report_entry(config, dense_ppl, sparse_ppl) if texts else None
-    _write_run(config, model.to("cpu"), tokenizer, learned, scales, heldout)
+    _write_run(config, model.to("cpu"), layout, tokenizer, learned, scales, heldout)
     _clear_state_after_success(config)
 
 
@@ -189,7 +192,7 @@ def _new_state_removed_on_failure(state_dir: Path, master: bool) -> Iterator[Non
         raise
 
 
-def _prepare_start(config: LearnConfig, model, tokenizer, device, distributed: bool):
+def _prepare_start(config: LearnConfig, model, tokenizer, device, distributed: bool, layout):
     """Rank 0, before the process group starts: tokenise the corpus into the state folder and compute the
     Wanda mask (saved there for the other processes under torchrun); returns the mask, or None."""
     from leapctl.data import calibration_batch
@@ -209,7 +212,7 @@ def _prepare_start(config: LearnConfig, model, tokenizer, device, distributed: b
     if _wanda(config):  # on `nsamples` windows of the calibration source, as `leapctl prune` does
         calib = calibration_batch(config.calib, tokenizer, config.nsamples, config.seq_len, config.seed,
                                   model=model)
-        init = wanda_init(model, calib, config, device)
+        init = wanda_init(model, calib, config, device, layout)
     clear_state(state_dir)
     write_token_file(state_dir, ids)
     if tail is not None:
@@ -238,7 +241,8 @@ def _wanda(config: LearnConfig) -> bool:
     return not config.resume and config.init != "random" and config.init_masks is None
 
 
-def _write_run(config: LearnConfig, model, tokenizer, learned, scales, heldout: dict | None) -> None:
+def _write_run(config: LearnConfig, model, layout, tokenizer, learned, scales,
+               heldout: dict | None) -> None:
     """The run folder, atomically: checkpoint, masks (and scales), report, metrics, plots, logits."""
     from safetensors.torch import save_file
 
@@ -254,7 +258,7 @@ def _write_run(config: LearnConfig, model, tokenizer, learned, scales, heldout: 
     if heldout is not None:
         report["heldout"] = heldout
     with atomic_output_dir(Path(config.out), config.overwrite, _inputs(config)) as tmp:
-        block_density = density_per_block(model, learned.masks)
+        block_density = density_per_block(layout, learned.masks)
         report["density_per_block"] = block_density
         kept_scales = None
         if scales is not None:

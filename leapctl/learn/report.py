@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from leapctl.learn.config import LearnConfig
 from leapctl.learn.mask import MaskState, soft_mask
-from leapctl.models import model_layout
+from leapctl.models import ModelLayout
 
 
 def soft_density(final: dict, mask_state: MaskState, total_weights: int, sharded: bool) -> float:
@@ -20,9 +20,9 @@ def soft_density(final: dict, mask_state: MaskState, total_weights: int, sharded
     return float(kept) / total_weights
 
 
-def density_per_block(model, keep: dict[str, torch.Tensor]) -> list[float]:
-    """Kept fraction of the masked weights of each decoder block (the paper's allocation figure)."""
-    layout = model_layout(model)
+def density_per_block(layout: ModelLayout, keep: dict[str, torch.Tensor]) -> list[float]:
+    """Kept fraction of the masked weights of each decoder block (the paper's allocation figure); only the
+    layout's block names are read, so a layout whose linears `train` has taken serves."""
     blocks = len(layout.blocks)
     kept, total = [0] * blocks, [0] * blocks
     for name, mask in keep.items():

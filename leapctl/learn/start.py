@@ -10,7 +10,7 @@ from leapctl.errors import LeapctlError
 from leapctl.learn.config import LearnConfig
 from leapctl.learn.heldout import split_stream
 from leapctl.masks import MaskSet, load_masks
-from leapctl.models import model_layout
+from leapctl.models import ModelLayout
 from leapctl.runs import mask_source
 
 # An initial mask may miss the target a little (Wanda keeps whole-row counts: 0.595 at 60%); the density
@@ -35,22 +35,24 @@ def training_corpus(config: LearnConfig, model, tokenizer) -> tuple[torch.Tensor
     return ids, tail
 
 
-def wanda_init(model, calib: torch.Tensor, config: LearnConfig, device) -> MaskSet:
-    """Wanda's masks (weights left dense), as `leapctl prune --method wanda` computes them."""
+def wanda_init(model, calib: torch.Tensor, config: LearnConfig, device, layout: ModelLayout) -> MaskSet:
+    """Wanda's masks (weights left dense) of the layers in `layout`, as `leapctl prune --method wanda`
+    computes them."""
     from leapctl.prune.wanda import wanda_masks
 
     was_training = model.training
     model.eval()
-    mask_set = wanda_masks(model, calib, config.sparsity, include=config.include, exclude=config.exclude,
-                           device=device, in_place=False, progress=config.progress)
+    mask_set = wanda_masks(model, calib, config.sparsity, device=device, in_place=False,
+                           progress=config.progress, layout=layout)
     model.train(was_training)
     return mask_set
 
 
-def initial_keep(model, corpus, config: LearnConfig, linears, init: MaskSet | None,
-                  device) -> dict[str, torch.Tensor]:
+def initial_keep(model, corpus, config: LearnConfig, layout: ModelLayout, init: MaskSet | None,
+                 device) -> dict[str, torch.Tensor]:
     """The keep-mask the logits start from, in the model's layer order (initialisers draw noise layer by
     layer): `init`, else the mask file, else random (ablation), else Wanda on windows of the corpus."""
+    linears = layout.linears
     if init is None and config.init == "random":
         generator = torch.Generator().manual_seed(config.seed)
         keep = {}
@@ -65,7 +67,7 @@ def initial_keep(model, corpus, config: LearnConfig, linears, init: MaskSet | No
         init, origin = load_masks(mask_source(Path(config.init_masks))), f"--init-masks {config.init_masks}"
     if init is None:
         calib = sample_windows(corpus, config.nsamples, config.seq_len, config.seed)
-        init = wanda_init(model, calib, config, device)
+        init = wanda_init(model, calib, config, device, layout)
     return checked_keep(init, linears, config.sparsity, origin)
 
 
@@ -88,14 +90,15 @@ def checked_keep(mask_set: MaskSet, linears, sparsity: float, origin: str) -> di
     return {name: mask_set.masks[name].cpu() for name in expected}
 
 
-def quantize_frozen(model: torch.nn.Module, config: LearnConfig) -> dict[str, torch.Tensor] | None:
+def quantize_frozen(model: torch.nn.Module, config: LearnConfig,
+                    layout: ModelLayout) -> dict[str, torch.Tensor] | None:
     """With --bits: every maskable weight rounded to the bitmap-q4 grid (all weights decide the scales,
     since the mask is not known yet); the kept ones then sit on that grid whatever the mask becomes."""
     if config.bits is None:
         return None
     from leapctl.grid import check_group_size, rtn_scales
 
-    linears = model_layout(model, config.include, config.exclude).linears
+    linears = layout.linears
     everything = MaskSet(masks={f"{name}.weight": torch.ones(linear.weight.shape, dtype=torch.bool,
                                                               device=linear.weight.device)
                                 for name, linear in linears.items()})

@@ -53,7 +53,7 @@ from leapctl.learn.signals import StopFlag
 from leapctl.learn.start import initial_keep, training_corpus
 from leapctl.learn.stream import WindowStream
 from leapctl.masks import MaskSet, apply_masks
-from leapctl.models import model_layout
+from leapctl.models import ModelLayout, model_layout
 from leapctl.schedule import cosine_with_warmup, magnitude_decay, mask_temperature
 
 # The per-step numbers summed on the device over micro-batches (and processes), read back once per step.
@@ -131,8 +131,11 @@ def leap_masks(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig,
 
 
 def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: MaskSet | None = None,
-          fingerprint: dict | None = None) -> LearnedMasks:
-    """`leap_masks` for a `config` already resolved and validated; `fingerprint` when the caller has it."""
+          fingerprint: dict | None = None, layout: ModelLayout | None = None) -> LearnedMasks:
+    """`leap_masks` for a `config` already resolved and validated; `fingerprint` and the model's `layout`
+    when the caller has them. Training takes the layout's linears (each is swapped for a MaskedLinear and
+    dropped from `layout.linears`, so nothing keeps the whole weights alive under FSDP2); its block names
+    stay usable."""
     processes = Processes.current()
     device = next(model.parameters()).device
     use_autocast = autocast_on(config, device)
@@ -152,8 +155,10 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype(config, use_autocast),
                            track_norms=config.magnitude_term and config.lambda2 != 0)
-    masked, total_weights, dense_norm_sum = _masked_model(model, corpus, config, init, meta, mask_state,
-                                                          device)
+    if layout is None:
+        layout = model_layout(model, config.include, config.exclude)
+    masked, total_weights, dense_norm_sum = _masked_model(model, corpus, config, layout, init, meta,
+                                                          mask_state, device)
     model.train()
     train_model = wrap_model(model, processes.distributed, config.fsdp, device)
     stream = WindowStream(corpus, config.seq_len, config.batch_size, config.seed,
@@ -335,18 +340,17 @@ def compute_dtype(config: LearnConfig, autocast: bool) -> torch.dtype:
     return torch.bfloat16 if autocast or config.dtype == "bfloat16" else torch.float32
 
 
-def _masked_model(model, corpus, config: LearnConfig, init: MaskSet | None, meta: dict | None,
-                  mask_state: MaskState, device: torch.device) -> tuple[dict, int, float]:
+def _masked_model(model, corpus, config: LearnConfig, layout: ModelLayout, init: MaskSet | None,
+                  meta: dict | None, mask_state: MaskState, device: torch.device) -> tuple[dict, int, float]:
     """Swap every prunable linear of `model` for a `MaskedLinear` with its logits, block by block; under
     FSDP2 each block is sharded as soon as its layers have their logits, so the whole logits of one block
     at most exist at a time, and nothing here outlives this call (the plain linears, the keep-masks, the
     initial logits), so the whole weights and logits are freed as the blocks are sharded.
     Returns (weight name -> MaskedLinear in layer order, number of masked weights, sum of their norms)."""
-    layout = model_layout(model, config.include, config.exclude)
-    linears = layout.linears
+    linears = layout.linears  # emptied below, block by block
     total_weights = sum(linear.weight.numel() for linear in linears.values())
     dense_norm_sum = float(sum(linear.weight.float().norm() for linear in linears.values()))
-    logits = _start_logits(model, corpus, config, linears, init, meta, device)
+    logits = _start_logits(model, corpus, config, layout, init, meta, device)
     shard = Processes.current().distributed and config.fsdp
     masked, first = {}, 0
     for index, block in enumerate(layout.blocks):
@@ -362,16 +366,16 @@ def _masked_model(model, corpus, config: LearnConfig, init: MaskSet | None, meta
     return masked, total_weights, dense_norm_sum
 
 
-def _start_logits(model, corpus, config: LearnConfig, linears, init: MaskSet | None, meta: dict | None,
-                  device: torch.device) -> Iterator[torch.Tensor]:
+def _start_logits(model, corpus, config: LearnConfig, layout: ModelLayout, init: MaskSet | None,
+                  meta: dict | None, device: torch.device) -> Iterator[torch.Tensor]:
     """The mask logits of each linear in layer order, made on the device one at a time: from the initial
     keep-mask, or zeros that the checkpoint fills."""
     logits_dtype = getattr(torch, config.logits_dtype)
     if meta is not None:
-        for shape in [linear.weight.shape for linear in linears.values()]:  # the caller pops `linears`
+        for shape in [linear.weight.shape for linear in layout.linears.values()]:  # before the caller pops
             yield torch.zeros(shape, dtype=logits_dtype, device=device)
         return
-    keep = initial_keep(model, corpus, config, linears, init, device)
+    keep = initial_keep(model, corpus, config, layout, init, device)
     generator = torch.Generator().manual_seed(config.seed)  # one stream, drawn layer by layer in order
     for name in list(keep):
         yield init_logits({name: keep.pop(name)}, config.init, config.init_scale, generator,

@@ -116,8 +116,10 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
                        make_pruner: Callable[[nn.Linear], LayerPruner], sparsity: float, method: str,
                        include: str | None = None, exclude: str | None = None,
                        device: str | torch.device | None = None, batch_size: int = 8,
-                       in_place: bool = True, progress: bool = True) -> MaskSet:
+                       in_place: bool = True, progress: bool = True,
+                       layout: ModelLayout | None = None) -> MaskSet:
     """Prune every prunable linear block by block, each block calibrated on the pruned blocks' outputs.
+    `layout`: the model's layout when the caller has found it (then include/exclude are already in it).
 
     With `in_place=False` the model keeps its dense weights: each block's original weights come back once
     its pruned outputs have been computed, so the masks are the same but the model is untouched."""
@@ -125,7 +127,8 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
         raise LeapctlError(f"calibration batch must be [nsamples, seq_len] token ids, "
                            f"got shape {tuple(calib_ids.shape)}")
     compute = resolve_device(device)
-    layout = model_layout(model, include, exclude)
+    if layout is None:
+        layout = model_layout(model, include, exclude)
     blocks = layout.blocks
     hidden, block_args = capture_block_inputs(model, layout, calib_ids, compute, batch_size)
     slices = _batch_slices(block_args[0], batch_size)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from leapctl.masks import MaskSet, masked_weight
+from leapctl.models import ModelLayout
 from leapctl.prune.select import keep_mask_per_row, prune_count
 from leapctl.prune.sequential import prune_sequentially
 
@@ -40,9 +41,9 @@ class WandaPruner:
 
 def wanda_masks(model: nn.Module, calib_ids: torch.Tensor, sparsity: float, include: str | None = None,
                 exclude: str | None = None, device: str | torch.device | None = None, batch_size: int = 8,
-                in_place: bool = True, progress: bool = True) -> MaskSet:
+                in_place: bool = True, progress: bool = True, layout: ModelLayout | None = None) -> MaskSet:
     """Sequential Wanda masks for every prunable linear; `in_place=False` leaves the weights dense
     (the LEAP initialiser needs the masks, not the zeros)."""
     return prune_sequentially(model, calib_ids, WandaPruner, sparsity, "wanda", include=include,
                               exclude=exclude, device=device, batch_size=batch_size, in_place=in_place,
-                              progress=progress)
+                              progress=progress, layout=layout)

@@ -5,7 +5,7 @@ and masks fixed, by distillation from the dense model, as LEAP learns its masks.
 GPTQ fits each layer to its own inputs; what it cannot see is how the layers' rounding errors add up. A
 few hundred steps of Adam on the log of each fp16 scale (1/64 of the weights' count at G = 64) recover much
 of that: on stories260K, LEAP 50% + GPTQ 4-bit went from +7.7% perplexity over the 16-bit model to under
-+5% (`bench/quality_q4.py`). Scales are rounded to fp16 at the end, so the weights stay exactly
++5% (`python -m bench.quality q4`). Scales are rounded to fp16 at the end, so the weights stay exactly
 `scale * (code - 7.5)` in fp32 and `export --format bitmap-q4` reads them bit for bit.
 
 A training loop to read top to bottom, like `learn.train`: the teacher's logits, the student's, the KL

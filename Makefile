@@ -43,7 +43,7 @@ test-quick: cpu-kernel
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-# Competitors for `python -m bench.serve` (and bench/pareto.py), never part of the install or CI: llama.cpp through llama-cpp-python
+# Competitors for `python -m bench.serve` (and `python -m bench.pareto`), never part of the install or CI: llama.cpp through llama-cpp-python
 # (built from its source package with cmake, about 8 min on 2 cores) with its OpenAI-compatible server, in a
 # venv of its own so that its server's dependencies cannot move vLLM's; llama.cpp's HF-to-GGUF converter from
 # the same source package.

@@ -6,7 +6,7 @@ root as a module (`--help` on any of them lists its options):
   (`--base REV`: two builds of the int8 op side by side);
 - `python -m bench.serve --format F`: served decode and prefill, every server in turn or in interleaved
   rounds;
-- `python -m bench.learn_speed`, `python -m bench.formats`, `python bench/pareto.py`,
+- `python -m bench.learn_speed`, `python -m bench.formats`, `python -m bench.pareto`,
   `python -m bench.gpu_check`.
 
 Results: `bench/results/<topic>/`, summarised in `bench/results/README.md`."""

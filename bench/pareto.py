@@ -10,9 +10,9 @@ llama.cpp's own converter, each type made by its own quantizer, perplexity from 
 matrix and the output projection). The text is WikiText-2's test split, its first 60,000 characters, in
 512-token windows, as issue #42's table.
 
-    python bench/pareto.py --sparsities 0.3 0.4 0.5 0.6 --budget 35    # SmolLM2-135M: ~3 h on 2 cores
-    python bench/pareto.py --sparsities 0.5 --reuse runs/pareto       # add points to an earlier run
-    python bench/pareto.py --sparsities --runs "wanda 50%=runs/w50" "recovered=runs/r50"   # given runs
+    python -m bench.pareto --sparsities 0.3 0.4 0.5 0.6 --budget 35    # SmolLM2-135M: ~3 h on 2 cores
+    python -m bench.pareto --sparsities 0.5 --reuse runs/pareto       # add points to an earlier run
+    python -m bench.pareto --sparsities --runs "wanda 50%=runs/w50" "recovered=runs/r50"   # given runs
 
 Writes bench/results/pareto/pareto_<name>.{md,json,png}."""
 
@@ -23,15 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from competitors import BENCH_VENV, GGUF_FTYPES, write_gguf  # noqa: E402
-
-from leapctl.compress.pipeline import WIKITEXT2_CHARACTERS, WIKITEXT2_RAW  # noqa: E402
-from leapctl.compress.report import bytes_per_weight  # noqa: E402
-from leapctl.paths import assets_dir  # noqa: E402
+from bench.competitors import BENCH_VENV, GGUF_FTYPES, REPO, write_gguf
+from leapctl.compress.pipeline import WIKITEXT2_CHARACTERS, WIKITEXT2_RAW
+from leapctl.compress.report import bytes_per_weight
+from leapctl.paths import assets_dir
 
 RESULTS = REPO / "bench" / "results" / "pareto"
 LLAMA_CPP_TYPES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "q4_k_m", "q3_k_m", "q2_k")
@@ -221,7 +216,7 @@ def main() -> None:
     args.reuse.mkdir(parents=True, exist_ok=True)
     text = wikitext_excerpt(args.reuse)
     points = leapctl_points(args, args.reuse, text) + llama_cpp_points(args, args.reuse, text)
-    write_results(points, args.name, "python bench/pareto.py " + " ".join(sys.argv[1:]))
+    write_results(points, args.name, "python -m bench.pareto " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

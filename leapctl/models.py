@@ -140,6 +140,30 @@ def model_layout(model: nn.Module, include: str | None = None, exclude: str | No
     return ModelLayout(prefix=prefix, blocks=blocks, linears=found)
 
 
+def final_norm(model: nn.Module, layout: ModelLayout) -> nn.Module:
+    """The norm between the last decoder block and lm_head: the `norm` beside the blocks (Llama, Qwen2,
+    Gemma3 all name it so)."""
+    owner = model.get_submodule(layout.prefix.rsplit(".", 1)[0]) if "." in layout.prefix else model
+    norm = getattr(owner, "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise LeapctlError(f"cannot find the final norm of {type(model).__name__} (no `norm` beside its "
+                           f"decoder blocks)")
+    return norm
+
+
+def untie_output_embeddings(model: nn.Module) -> bool:
+    """Give the input embedding its own copy of a weight it shares with lm_head, so that rounding lm_head
+    leaves the embedding's values as they are (a lookup reads one row a token: its bytes do not matter);
+    returns whether they were tied."""
+    head, table = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or table is None or head.weight is not table.weight:
+        return False
+    table.weight = nn.Parameter(table.weight.detach().clone(), requires_grad=table.weight.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
+
+
 def prunable_linears(model: nn.Module, include: str | None = None,
                      exclude: str | None = None) -> dict[str, nn.Linear]:
     """Shorthand for `model_layout(model, include, exclude).linears`."""

@@ -46,6 +46,8 @@ def test_compress_runs_every_stage_and_its_folder_exports_and_validates(compress
     assert summary["plan"]["recover_steps"] == 48 - MIN_TUNE_STEPS
     report = json.loads((out / "report.json").read_text())
     assert report["command"] == "quantize" and report["source"]["command"] == "recover"
+    assert report["quantization"]["lm_head_bits"] == CompressConfig.lm_head_bits == 4  # GPTQ'd, untied
+    assert not json.loads((out / "config.json").read_text())["tie_word_embeddings"]
     assert summary["bytes_per_weight"]["per_weight"] > 0
     assert "leapctl export" in done.stdout and "x dense" in done.stdout
     assert not out.with_name("model.compress-state").exists()
@@ -85,6 +87,8 @@ def test_a_rerun_after_a_kill_does_not_redo_finished_stages(stories260k_dir, tmp
     (("--stages", "prune,distil"), "unknown stage"),
     (("--stages", "recover,learn"), "learn comes right after prune"),
     (("--stages", "recover,quantize,recover"), "named twice"),
+    (("--lm-head-bits", "16"), "--lm-head-bits 16"),
+    (("--lm-head-bits", "6"), "--lm-head-bits 6"),
 ])
 def test_bad_options_fail_in_one_line_and_write_nothing(stories260k_dir, tmp_path, extra, message):
     done = leapctl(*compress_args(stories260k_dir, tmp_path / "model"), *extra)

@@ -101,6 +101,42 @@ def test_act_order_fixes_every_group_grid_up_front_and_lowers_the_error(grid):
     assert errors[True] < errors[False]
 
 
+def test_gptq_lm_head_sees_what_the_model_feeds_it_and_beats_rounding_on_it(stories260k_dir):
+    """`feed_lm_head_inputs` gives exactly the inputs a whole forward hands lm_head (block by block, through
+    the final norm), and GPTQ of lm_head on them (every weight kept, untied from the input embedding first)
+    leaves a smaller output error on those inputs than rounding to nearest on the same grid."""
+    from leapctl.grid import ASYMMETRIC
+    from leapctl.models import load_model, untie_output_embeddings
+    from leapctl.prune.sequential import feed_lm_head_inputs
+    from leapctl.quantize import quantize_lm_head
+
+    model, _ = load_model(str(stories260k_dir), dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(0))
+    seen = []
+    hook = model.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(ids[:4])
+        model(ids[4:])
+    hook.remove()
+    fed = []
+    feed_lm_head_inputs(model, ids, fed.append, batch_size=4)
+    assert len(fed) == 2 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fed, seen, strict=True))
+
+    table = model.get_input_embeddings().weight.detach().clone()
+    assert untie_output_embeddings(model) and not model.config.tie_word_embeddings
+    dense = model.lm_head.weight.detach().clone()
+    x = torch.cat([f.reshape(-1, f.shape[-1]) for f in fed])
+    errors = {}
+    for calib in (None, ids):
+        model.lm_head.weight.data.copy_(dense)
+        scales, zeros = quantize_lm_head(model, 4, 64, ASYMMETRIC, calib, batch_size=4)
+        Q4.encode(model.lm_head.weight.detach(), torch.ones(dense.shape, dtype=torch.bool), scales=scales,
+                  zeros=zeros)  # raises if off the grid
+        errors[calib is None] = float((x @ (model.lm_head.weight.detach() - dense).T).square().sum())
+    assert errors[False] < errors[True]
+    assert torch.equal(model.get_input_embeddings().weight, table)  # the embedding kept its values
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_dir, autocast):
     """Property: tuning may change a group's scale, never a code or a mask, and it lowers the KL to the dense
@@ -391,13 +427,17 @@ def asymmetric_export(wanda_run, tmp_path_factory):
     return root
 
 
-def test_the_asymmetric_grid_holds_every_kept_weight_and_its_zero_points(asymmetric_export):
+def test_the_asymmetric_grid_holds_every_kept_weight_and_its_zero_points(asymmetric_export, wanda_run):
     from leapctl.runs import read_run
 
     run = read_run(str(asymmetric_export / "run"))
     assert run.quantization["grid"] == "asymmetric" and run.zeros.keys() == run.scales.keys()
     weights = load_file(str(asymmetric_export / "run" / "model.safetensors"))
-    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied
+    # lm_head was tied to the input embedding: a 4-bit head is untied, and the embedding keeps its values
+    assert not json.loads((asymmetric_export / "run" / "config.json").read_text())["tie_word_embeddings"]
+    start = load_file(str(wanda_run / "model.safetensors"))
+    assert torch.equal(weights["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
     everything = torch.ones(weights["lm_head.weight"].shape, dtype=torch.bool)
     masks = {**run.masks.masks, "lm_head.weight": everything}
     used = set()

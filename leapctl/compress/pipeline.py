@@ -118,8 +118,8 @@ def _stage_args(stage: str, config: CompressConfig, plan: Plan, source: Path | N
                 str(plan.recover_steps), *shape, *speed, *resume, *common]
     if stage == QUANTIZE:
         return ["quantize", str(source), "--teacher", config.model, "--calib", config.calib, "--nsamples",
-                str(plan.gptq_samples), *shape, "--tune-steps", str(plan.tune_steps), *speed,
-                "--overwrite", *common]
+                str(plan.gptq_samples), *shape, "--tune-steps", str(plan.tune_steps), "--lm-head-bits",
+                str(config.lm_head_bits), *speed, "--overwrite", *common]
     raise LeapctlError(f"unknown stage {stage!r}")
 
 
@@ -243,7 +243,7 @@ def plan_table(plan: Plan, config: CompressConfig) -> str:
                   RECOVER: f"{plan.recover_steps} steps x {tokens:,} tokens of distillation"
                            + (" on the 4-bit grid" if _after(config, RECOVER, QUANTIZE) else ""),
                   QUANTIZE: f"4-bit GPTQ on {plan.gptq_samples} x {plan.seq_len}, {plan.tune_steps} "
-                            f"steps of scale tuning"}[stage]
+                            f"steps of scale tuning, lm_head {config.lm_head_bits}-bit"}[stage]
         rows.append(f"  {stage:<9} {detail}")
     if plan.exclude:
         rows.append(f"  left dense (no group of {GROUP_SIZE} divides their columns): {plan.exclude}")

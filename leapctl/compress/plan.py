@@ -111,7 +111,8 @@ def make_plan(config: CompressConfig, budget: Budget, step_seconds: float | None
 def plan_settings(config: CompressConfig) -> dict:
     """The settings a plan (and the stage folders made by it) belongs to."""
     return {"model": config.model, "sparsity": config.sparsity, "budget": config.budget,
-            "stages": list(config.stage_list), "calib": config.calib, "seed": config.seed}
+            "stages": list(config.stage_list), "calib": config.calib, "seed": config.seed,
+            "lm_head_bits": config.lm_head_bits}
 
 
 def read_plan(state_dir: Path, config: CompressConfig) -> Plan | None:

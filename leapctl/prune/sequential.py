@@ -22,7 +22,7 @@ from torch import nn
 from leapctl.compute import resolve_device
 from leapctl.errors import LeapctlError
 from leapctl.masks import MaskSet
-from leapctl.models import ModelLayout, model_layout
+from leapctl.models import ModelLayout, final_norm, model_layout
 from leapctl.progress import progress_bar
 
 
@@ -196,3 +196,28 @@ def update_under_masks(model: nn.Module, calib_ids: torch.Tensor, mask_set: Mask
     include = "|".join(re.escape(name.removesuffix(".weight")) + "$" for name in mask_set.masks)
     prune_sequentially(model, calib_ids, make, mask_set.sparsity()["global"], method, include=include,
                        device=device, batch_size=batch_size, progress=progress)
+
+
+@torch.no_grad()
+def feed_lm_head_inputs(model: nn.Module, calib_ids: torch.Tensor, on_batch: Callable[[torch.Tensor], None],
+                        device: str | torch.device | None = None, batch_size: int = 8) -> None:
+    """Give `on_batch` what lm_head receives on the calibration windows (the last block's output through the
+    final norm), one batch at a time; the model runs block by block on `device`, as the layer-wise methods
+    run it, so it need not fit there whole."""
+    compute = resolve_device(device)
+    layout = model_layout(model)
+    hidden, block_args = capture_block_inputs(model, layout, calib_ids, compute, batch_size)
+    slices = _batch_slices(block_args[0], batch_size)
+    for index, block in enumerate(layout.blocks):
+        home = _device_of(block)
+        block.to(compute)
+        for part, (args, kwargs) in zip(slices, block_args[index], strict=True):
+            hidden[part] = _block_output(block, hidden[part], args, kwargs)
+        block.to(home)
+    norm = final_norm(model, layout)
+    home = _device_of(norm)
+    norm.to(compute)
+    for part in slices:
+        on_batch(norm(hidden[part]))
+    if home is not None:
+        norm.to(home)

@@ -14,7 +14,7 @@ from leapctl.data import calibration_batch, training_windows
 from leapctl.errors import LeapctlError
 from leapctl.grid import ASYMMETRIC, SYMMETRIC
 from leapctl.masks import MaskSet
-from leapctl.models import load_model
+from leapctl.models import load_model, untie_output_embeddings
 from leapctl.quantize.config import DEFAULT_CALIB, QuantizeConfig
 from leapctl.quantize.methods import LM_HEAD, quantize_lm_head, quantize_weights
 from leapctl.quantize.tune import tune_scales
@@ -79,7 +79,9 @@ def quantize_model(model: nn.Module, tokenizer, mask_set: MaskSet, config: Quant
     scales, zeros = quantize_weights(model, mask_set, config.method, config.group_size, calib_ids,
                                      config.grid, **options)
     if config.lm_head_bits == 4:  # before tuning, which then learns its scales with the rest
-        scales[LM_HEAD], head_zeros = quantize_lm_head(model, 4, config.group_size, config.grid)
+        untie_output_embeddings(model)  # the input embedding keeps its values
+        scales[LM_HEAD], head_zeros = quantize_lm_head(model, 4, config.group_size, config.grid, calib_ids,
+                                                       config.device, config.batch_size, config.act_order)
         if head_zeros is not None:
             zeros[LM_HEAD] = head_zeros
     seconds = time.perf_counter() - started

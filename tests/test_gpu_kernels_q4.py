@@ -133,13 +133,14 @@ if not _CHILD:
         pytest.importorskip("triton")
         plugin = pytest.importorskip("test_serve_plugin")
         from serving.contract import LeapSparseSettings
-        from serving.leap_sparse import LeapSparseConfig
+        from serving.leap_sparse import LeapSparseConfig, q4_tiles_kernel
 
         monkeypatch.setattr(LeapSparseConfig, "gpu_kernel", lambda self, device, available: available)
         config = LeapSparseConfig(LeapSparseSettings("bitmap-q4", 0.5))
         layer = plugin.build_layer(monkeypatch, "gate_up", config, 0, 1)
         plugin.load(layer, "bitmap-q4", plugin.LAYERS["gate_up"])
         assert layer.leap_q4_tiles is not None and not hasattr(layer, "codes")
+        assert layer.leap_kernel is q4_tiles_kernel  # chosen at load
         dense = torch.cat([Q4.decode(Q4.encode(*plugin.PROJECTIONS[name]))
                            for name in ("gate_proj", "up_proj")])
         x = torch.randn(4, plugin.HIDDEN)

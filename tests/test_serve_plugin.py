@@ -9,6 +9,7 @@ import torch
 vllm_linear = pytest.importorskip("vllm.model_executor.layers.linear")
 vllm_parameter = pytest.importorskip("vllm.model_executor.parameter")
 
+from serving import leap_sparse  # noqa: E402
 from serving.contract import DECODE_DENSE_ENV, SERVABLE_FORMATS, LeapSparseSettings  # noqa: E402
 from serving.leap_sparse import LeapSparseConfig  # noqa: E402
 from serving.plugin import QUANT_METHOD, register  # noqa: E402
@@ -67,8 +68,11 @@ def build_layer(monkeypatch, kind: str, config: LeapSparseConfig, rank: int, siz
 
 
 def load(layer, fmt: str, names: list[str]) -> None:
+    load_tensors(layer, stored(fmt, names))
+
+
+def load_tensors(layer, weights: list[tuple[str, torch.Tensor]]) -> None:
     """What vLLM's AutoWeightsLoader does: merged layers get `load_weights`, others each param's loader."""
-    weights = stored(fmt, names)
     if hasattr(layer, "load_weights"):
         list(layer.load_weights(weights))
     else:
@@ -153,7 +157,7 @@ def test_ignored_layers_stay_dense_and_fused_layers_must_agree(monkeypatch):
     dense = build_layer(monkeypatch, "down", config, 0, 1)
     assert isinstance(dense.quant_method, vllm_linear.UnquantizedLinearMethod)
     sparse = build_layer(monkeypatch, "qkv", config, 0, 1)
-    assert type(sparse.quant_method).__name__ == "LeapSparseLinearMethod"
+    assert type(sparse.quant_method) is leap_sparse.BitmapLinearMethod
 
 
 def test_plugin_registration_is_idempotent():
@@ -173,7 +177,7 @@ def test_cpu_layers_compute_with_the_native_kernel(monkeypatch):
     config = LeapSparseConfig(LeapSparseSettings("bitmap", 0.5))
     layer = build_layer(monkeypatch, "gate_up", config, 0, 1)
     load(layer, "bitmap", LAYERS["gate_up"])
-    assert layer.leap_native
+    assert layer.leap_kernel is leap_sparse.bitmap_native_kernel
     x = torch.randn(4, HIDDEN)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = layer.quant_method.apply(layer, x)
@@ -182,8 +186,6 @@ def test_cpu_layers_compute_with_the_native_kernel(monkeypatch):
 
 
 def test_without_the_native_kernel_layers_decode_per_call_after_one_warning(monkeypatch):
-    import serving.leap_sparse as leap_sparse
-
     monkeypatch.setattr(leap_sparse.cpu_kernel, "load", lambda: False)
     monkeypatch.setattr(leap_sparse.cpu_kernel, "unavailable_reason", lambda: "no compiler (test)")
     warnings = []
@@ -192,7 +194,7 @@ def test_without_the_native_kernel_layers_decode_per_call_after_one_warning(monk
     layers = {kind: build_layer(monkeypatch, kind, config, 0, 1) for kind in ("gate_up", "down")}
     for kind, layer in layers.items():
         load(layer, "bitmap", LAYERS[kind])
-        assert not layer.leap_native
+        assert layer.leap_kernel is leap_sparse.bitmap_torch_kernel
         x = torch.randn(3, layer.leap_n_cols)
         torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ expected_slice(kind, 0, 1).T)
     assert warnings == ["leap_sparse: the native CPU kernel is unavailable: no compiler (test); "
@@ -216,3 +218,116 @@ def test_the_plugin_reads_the_contract_that_exports_write():
     assert settings.layer_tensors(lm_head=False) == ("bitmap-q4", SERVABLE_FORMATS["bitmap-q4"])
     with pytest.raises(ValueError, match="lm_head format 'int4' is not servable"):
         LeapSparseConfig.from_config({**head8, "lm_head_format": "int4"})
+
+
+def test_every_servable_format_has_a_linear_method():
+    from serving.contract import LM_HEAD_FORMATS
+
+    assert set(leap_sparse.LINEAR_METHODS) == set(SERVABLE_FORMATS) | set(LM_HEAD_FORMATS)
+
+
+def q4_stored(names: list[str], asymmetric: bool) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """(bitmap-q4 tensors as the loader sends them, groups of 64, the dense weight they decode to) for the
+    projections `names` (stacked in that order), on the asymmetric grid or not."""
+    q4 = get_format("bitmap-q4")
+    out, dense = [], []
+    for index, name in enumerate(names):
+        weight, mask = PROJECTIONS[name]
+        gen = torch.Generator().manual_seed(index)
+        groups = (*weight.shape[:1], weight.shape[1] // 64)
+        codes = torch.randint(0, 16, weight.shape, generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(groups, generator=gen) * 0.05 + 0.005).half()
+        zeros = torch.randint(0, 16, groups, generator=gen, dtype=torch.uint8) if asymmetric else None
+        tensors = q4.pack(codes, scales, mask, zeros)
+        dense.append(q4.decode(tensors))
+        for key, tensor in tensors.items():
+            tensor.shard_id = STACKED[f".{name}"][1]
+            out.append((key, tensor))
+    return out, torch.cat(dense)
+
+
+# (format, what the layer multiplies by: the native kernel or not, and for bitmap-q4 its x and grid)
+METHOD_CASES = [(fmt, native, "") for fmt in ("bitmap", "csr", "int8-rows") for native in (True, False)] + [
+    ("bitmap-q4", native, f"{activations},{grid}") for native in (True, False)
+    for activations in ("int8", "bf16") for grid in ("symmetric", "asymmetric")]
+
+
+def method_layer(monkeypatch, fmt: str, variant: str):
+    """(a loaded layer of `fmt`'s linear method: gate_up, or lm_head for int8-rows; its dense weight)."""
+    if fmt == "int8-rows":
+        vocab = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
+        monkeypatch.setattr(vocab, "get_tensor_model_parallel_rank", lambda: 0)
+        monkeypatch.setattr(vocab, "get_tensor_model_parallel_world_size", lambda: 1)
+        config = LeapSparseConfig(LeapSparseSettings("bitmap-q4", 0.5, lm_head_format="int8-rows"))
+        layer = vocab.ParallelLMHead(128, HIDDEN, params_dtype=torch.float32, quant_config=config,
+                                     prefix="lm_head")
+        head = torch.randn(128, HIDDEN, generator=torch.Generator().manual_seed(8))
+        encoded = get_format("int8-rows").encode(head)
+        load_tensors(layer, list(encoded.items()))
+        return layer, get_format("int8-rows").decode(encoded)
+    activations, grid = variant.split(",") if variant else ("int8", "symmetric")
+    config = LeapSparseConfig(LeapSparseSettings(fmt, 0.5, activations=activations, grid=grid))
+    layer = build_layer(monkeypatch, "gate_up", config, 0, 1)
+    if fmt != "bitmap-q4":
+        load(layer, fmt, LAYERS["gate_up"])
+        return layer, expected_slice("gate_up", 0, 1)
+    weights, dense = q4_stored(LAYERS["gate_up"], grid == "asymmetric")
+    load_tensors(layer, weights)
+    return layer, dense
+
+
+def expected_kernel(fmt: str, native: bool, variant: str) -> tuple[leap_sparse.Kernel, str]:
+    """(the kernel a layer should hold here, the native op it calls on fp32 x, or "")."""
+    from serving import cpu_kernel
+    from serving.int8_linear import native_int8_available, onednn_int8_available
+
+    if fmt == "int8-rows":
+        if native and native_int8_available(HIDDEN):
+            return leap_sparse.int8_head_kernel, "leap_sparse_cpu::int8_rows_linear"
+        if onednn_int8_available():  # vLLM's oneDNN GEMM (VNNI)
+            return leap_sparse.int8_head_kernel, ""
+        return leap_sparse.int8_torch_kernel, ""
+    if fmt in ("bitmap", "csr"):
+        if native:
+            return leap_sparse.bitmap_native_kernel, "leap_sparse_cpu::bitmap_linear"
+        return leap_sparse.bitmap_torch_kernel, ""
+    if not native:
+        return leap_sparse.q4_torch_kernel, ""
+    if variant.startswith("int8") and cpu_kernel.int8_kernel_available():
+        return leap_sparse.q4_pairs_kernel, "leap_sparse_cpu::bitmap_q4_i8_linear"
+    return leap_sparse.q4_native_kernel, "leap_sparse_cpu::bitmap_q4_linear"
+
+
+@pytest.mark.parametrize(("fmt", "native", "variant"), METHOD_CASES)
+def test_each_format_method_picks_its_kernel_at_load_and_matches_the_dense_weight(monkeypatch, fmt, native,
+                                                                                   variant):
+    """Each registry entry on a small CPU layer: the kernel chosen at load is the one this machine allows;
+    fp32 x goes through its native op and gives x W^T (x rounded to int8 as the int8 ops define, where they
+    run), fp16 x (which the native 16-bit and 4-bit ops do not take) through the torch op."""
+    from serving import cpu_kernel
+    from serving.int8_linear import int8_rows_activations
+    from serving.q4_linear import int8_activations
+
+    if native and not cpu_kernel.load():
+        pytest.skip(f"native kernel unavailable: {cpu_kernel.unavailable_reason()}")
+    if not native:
+        monkeypatch.setattr(leap_sparse.cpu_kernel, "load", lambda: False)
+    layer, dense = method_layer(monkeypatch, fmt, variant)
+    assert type(layer.quant_method) is leap_sparse.LINEAR_METHODS[fmt]
+    kernel, op = expected_kernel(fmt, native, variant)
+    assert getattr(layer.leap_kernel, "func", layer.leap_kernel) is kernel
+    x = torch.randn(3, HIDDEN)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = layer.quant_method.apply(layer, x)
+    assert not op or op in {event.name for event in prof.events()}
+    rounded = {"leap_sparse_cpu::bitmap_q4_i8_linear": int8_activations(x, 64)}.get(op, x)
+    if fmt == "int8-rows":
+        rounded = int8_rows_activations(x)
+    torch.testing.assert_close(got, rounded @ dense.T, rtol=1e-4, atol=1e-4)
+    if fmt == "int8-rows" or kernel is leap_sparse.q4_pairs_kernel:
+        return  # these multiply x in the model's dtype: no fallback to check
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = layer.quant_method.apply(layer, x.half())
+    assert not {event.name for event in prof.events()} & {"leap_sparse_cpu::bitmap_linear",
+                                                          "leap_sparse_cpu::bitmap_q4_linear"}
+    torch.testing.assert_close(got.float(), x @ dense.T, rtol=1e-2, atol=1e-2)

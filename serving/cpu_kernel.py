@@ -1,7 +1,9 @@
 """The native CPU sparse linear kernel (C++ in `serving/csrc`): built once into a cache folder, loaded as
 the torch op `torch.ops.leap_sparse_cpu.bitmap_linear(x, bitmap, values, row_offsets, n_cols, bias,
-checked=False)`; `checked=True` skips its per-call check of every row offset, for a caller that checked the
-weight once (the vLLM layer does at load).
+checked=False)` and the bitmap-q4 and int8-rows ops beside it. Every op that follows offsets into a packed
+tensor (`bitmap_linear`, `bitmap_q4_linear`, `bitmap_q4_pack_pairs`, `bitmap_q4_i8_linear`) checks them
+against the bitmap (the masks) on each call, a RuntimeError naming a wrong one; `checked=True` skips that
+pass, for a caller that checked the weight once (the vLLM layer does at load).
 
 The op reads the `bitmap` serving layout as stored (no repacking), so tensor-parallel slices and
 `leapctl validate` use the same tensors; so do the bitmap-q4 ops, but for the int8-x op
@@ -31,11 +33,12 @@ import torch
 ISA_ENV = "LEAP_SPARSE_CPU_ISA"
 ISAS = ("avx512", "avx2")  # fastest first
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bitmap_linear.cpp", "bitmap_avx512.cpp", "bitmap_avx2.cpp", "bitmap_q4_linear.cpp",
-           "bitmap_q4_avx512.cpp", "bitmap_q4_avx2.cpp", "bitmap_q4_i8_linear.cpp", "bitmap_q4_i8_avx512.cpp",
-           "bitmap_q4_i8_avx2.cpp",
-           "int8_rows_linear.cpp", "int8_rows_avx512.cpp", "int8_rows_avx2.cpp")
-HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))  # every header is in the build's hash
+# One folder per layout (its op, its AVX-512 and AVX2 kernels), common/ for what they share (the library and
+# its ISA set-up, the op helpers, the kernels' helpers, the offset checks); paths relative to CSRC, which is
+# the include path ("bitmap_q4/kernels.h").
+FORMATS = ("bitmap", "bitmap_q4", "bitmap_q4_i8", "int8_rows")
+SOURCES = ("common/isa.cpp", *(f"{name}/{part}.cpp" for name in FORMATS for part in ("op", "avx512", "avx2")))
+HEADERS = tuple(sorted(path.relative_to(CSRC).as_posix() for path in CSRC.rglob("*.h")))  # all in the hash
 # -fno-tree-slp-vectorize: GCC's SLP pass packed the kernels' per-row value pointers into vector
 # registers, putting vector extract/insert latency on the loop-carried pointer updates.
 # -fopenmp: at::parallel_for is inline code that splits work only where _OPENMP is defined; without it
@@ -99,8 +102,8 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
             # torch's own lock file is left behind by a build that was killed, and would make every
             # later build wait forever; holding our lock, nobody else is building.
             (folder / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name=extension_name(), sources=[str(CSRC / s) for s in SOURCES],
-                               extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name=extension_name(), sources=_units(folder), extra_cflags=list(CFLAGS),
+                               extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
                                build_directory=str(folder), verbose=verbose, is_python_module=False)
     except Exception as exc:  # a missing compiler, a failed build, an unloadable library
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -114,6 +117,20 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
     except RuntimeError as exc:
         raise ValueError(f"{ISA_ENV}={wanted}: {exc}") from None
     return True, ""
+
+
+def _units(folder: Path) -> list[str]:
+    """One file in the build folder per source, named after its path (`bitmap_q4/op.cpp` ->
+    `bitmap_q4_op.cpp`) and including it: torch names each object after its source's file name, and every
+    layout has an op.cpp."""
+    units = []
+    for source in SOURCES:
+        unit = folder / source.replace("/", "_")
+        text = f'#include "{source}"  // serving/csrc/{source}\n'
+        if not unit.exists() or unit.read_text() != text:
+            unit.write_text(text)
+        units.append(str(unit))
+    return units
 
 
 def _register_fake() -> None:

@@ -21,7 +21,7 @@ from sparse_formats import get_format
 
 Q4 = get_format("bitmap-q4")
 # Rows of x (tokens of a step) up to which the int8 op runs its decoding kernel (kPairMaxM in
-# bitmap_q4_kernels.h); above, its prefill kernel (an int8 GEMM). Both round x as `int8_activations` does.
+# bitmap_q4/kernels.h); above, its prefill kernel (an int8 GEMM). Both round x as `int8_activations` does.
 INT8_MAX_ROWS = 8
 
 
@@ -90,7 +90,7 @@ def _bitmap_q4_tiled_linear_fake(x, tensors, n_rows, n_cols, group_size, bias=No
 def pruned_at_zero_by_default(asymmetric: bool) -> bool:
     """Whether the int8-x op's pair layout holds every column, each pruned one at its group's zero point: on
     the asymmetric grid where the op runs its AVX2 kernels, which have no byte expand and read those codes in
-    a third of the instructions that placing the kept ones takes (bitmap_q4_i8_avx2.cpp; 1.72x as fast on
+    a third of the instructions that placing the kept ones takes (bitmap_q4_i8/avx2.cpp; 1.72x as fast on
     the Llama-3.2-1B shape from DRAM, bench/results/cpu_kernels_q4_llama1b_zen3.md)."""
     return asymmetric and cpu_kernel.current_isa() == "avx2"
 
@@ -204,7 +204,7 @@ class Q4Weight:
 
 @dataclass
 class Q4Pairs:
-    """A bitmap-q4 weight in the native int8-x kernel's pair layout (serving/csrc/bitmap_q4_kernels.h):
+    """A bitmap-q4 weight in the native int8-x kernel's pair layout (serving/csrc/bitmap_q4/kernels.h):
     rows in blocks of 4, each block's 64-bit masks, 4-bit codes and fp16 scales in the order the kernel reads
     them. Made at load by `Q4Weight.pairs`; multiplied by
     `torch.ops.leap_sparse_cpu.bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols,

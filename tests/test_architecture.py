@@ -3,6 +3,7 @@ of the other packages, `serving` does not import `leapctl`, and the serving cont
 imports no vLLM (so export and serve work where vLLM is not installed)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,81 @@ def test_no_function_over_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{relative}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+# C++ (serving/csrc) under the same limit: each outermost function (a lambda counts with the function around
+# it) found by matching braces once comments, literals and preprocessor lines are blanked out.
+CPP_BLANKED = re.compile(r"""//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|^[ \t]*#[^\n]*""",
+                         re.S | re.M)
+# A function's head ends (before `{`) with its parameters' `)`, then qualifiers or a trailing return type.
+CPP_FUNCTION_HEAD = re.compile(r"\)\s*(?:(?:const|noexcept|override|final|mutable)\b\s*|->[^;{}()]*)*$")
+
+
+def cpp_functions(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of each outermost function body in C++ source. A `{` opens a function where
+    no function is open around it and the text since the previous `;`, `{` or `}` ends like a function's head
+    (CPP_FUNCTION_HEAD); its lines run from that head's first line to the matching `}`."""
+    code = CPP_BLANKED.sub(lambda match: re.sub(r"[^\n]", " ", match.group()), text)
+    found, open_blocks, mark = [], [], 0
+    for at, char in enumerate(code):
+        if char == "{":
+            head = code[mark:at]
+            is_function = not any(block[0] for block in open_blocks) and bool(CPP_FUNCTION_HEAD.search(head))
+            open_blocks.append((is_function, mark + len(head) - len(head.lstrip()), head))
+        elif char == "}" and open_blocks:
+            is_function, start, head = open_blocks.pop()
+            if is_function:
+                first, last = code.count("\n", 0, start) + 1, code.count("\n", 0, at) + 1
+                found.append((cpp_function_name(head), first, last - first + 1))
+        if char in ";{}":
+            mark = at + 1
+    return found
+
+
+def cpp_function_name(head: str) -> str:
+    """The name in a function's head: the word (or operator) before the `(` that opens its parameter list,
+    the one matching the head's last `)` (a parameter such as `__m512 (&acc)[R][M]` has parentheses too)."""
+    depth, opening = 1, head.rindex(")")
+    while depth and opening > 0:
+        opening -= 1
+        depth += {")": 1, "(": -1}.get(head[opening], 0)
+    name = re.search(r"(~?\w+|operator\s*\(\s*\))\s*(?:<[^<>()]*>)?\s*$", head[:opening])
+    return name.group(1) if name else head.strip()
+
+
+def test_cpp_function_scan_finds_functions_not_blocks():
+    source = ('// f() {\nnamespace n {\nstruct S { int g(int a) const { return a; } };\n'
+              'template <typename T>\nT h(T t) {\n  if (t) {\n    return "}";\n  }\n'
+              '  auto k = [](int) { return 0; };\n  return t;\n}\nenum class E : int { A };\n'
+              '}  // namespace n\n'
+              'void f(const int (&a)[4], float (&b)[2][3]) {\n}\n'
+              'struct P { int operator()(int b) const { return b; } };\n')
+    assert cpp_functions(source) == [("g", 3, 1), ("h", 4, 8), ("f", 14, 2), ("operator()", 16, 1)]
+
+
+def test_no_cpp_function_over_80_lines():
+    csrc = REPO / "serving" / "csrc"
+    long = []
+    for path in sorted([*csrc.rglob("*.cpp"), *csrc.rglob("*.h")]):
+        relative = path.relative_to(csrc).as_posix()
+        for name, line, lines in cpp_functions(path.read_text()):
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"serving/csrc/{relative}:{line} {name} ({lines} lines)")
+    assert not long, long
+
+
+# A path that exists on one machine only (a home, a work tree, a temporary folder) breaks the code elsewhere.
+ABSOLUTE_PATH = re.compile(r"""["'`](?:/(?:home|root|work|Users|tmp|mnt|opt|srv|data)/|[A-Za-z]:\\\\)""")
+CODE_FOLDERS = ("leapctl", "serving", "sparse_formats", "bench", "tests")
+CODE_SUFFIXES = (".py", ".cpp", ".h", ".sh", ".toml", ".cfg", ".ini")
+
+
+def test_no_absolute_path_in_the_code():
+    files = [REPO / "Makefile", REPO / "pyproject.toml"]
+    for folder in CODE_FOLDERS:
+        files += sorted(p for p in (REPO / folder).rglob("*") if p.suffix in CODE_SUFFIXES and p.is_file())
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}"
+             for path in files
+             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if ABSOLUTE_PATH.search(line)]
+    assert not found, found

@@ -57,7 +57,7 @@ def call(op, x, t: dict[str, torch.Tensor], bias=None):
 
 
 # Above this many rows of x the op multiplies decoded tiles with ATen's GEMM; with bf16 x the tiles are
-# rounded to bf16 first (serving/csrc/bitmap_q4_linear.cpp), half an ulp of each weight: 2^-8 relative.
+# rounded to bf16 first (serving/csrc/bitmap_q4/op.cpp), half an ulp of each weight: 2^-8 relative.
 SPARSE_MAX_M = 40
 
 

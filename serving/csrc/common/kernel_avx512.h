@@ -1,9 +1,9 @@
-// Helpers that the AVX-512 kernel files of both layouts share (bitmap_avx512.cpp, bitmap_q4_avx512.cpp):
+// Helpers that the AVX-512 kernel files of both layouts share (bitmap/avx512.cpp, bitmap_q4/avx512.cpp):
 // include it inside the file's `#pragma GCC target` region (AVX-512 F, BW, DQ, VL and BF16 at least),
-// as kernel_common.h, which it includes.
+// as common/kernel_common.h, which it includes.
 #pragma once
 
-#include "kernel_common.h"
+#include "common/kernel_common.h"
 
 namespace leap_sparse {
 namespace {

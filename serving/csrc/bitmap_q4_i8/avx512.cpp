@@ -1,13 +1,13 @@
 // AVX-512 kernels for bitmap-q4 weights with int8 x (F, BW, VL, VBMI2, VNNI, GFNI; BF16 for bf16 y): the decode path of
-// `activations=int8` (bitmap_q4_kernels.h, Q4PairProblem).
+// `activations=int8` (bitmap_q4/kernels.h, Q4PairProblem).
 //
-// Why: at M = 1 the bf16 kernel (bitmap_q4_avx512.cpp) spends five vector instructions on every 32
+// Why: at M = 1 the bf16 kernel (bitmap_q4/avx512.cpp) spends five vector instructions on every 32
 // columns, and on this Zen 5 every instruction of those loops costs about a third of a cycle (the loops
 // issue 3-4 per cycle): its 0.7 ns per word is the instruction count, not the bandwidth. With int8 x
 // (as llama.cpp's Q4_0 x Q8_0 dot does) one instruction covers 64 columns where bf16 covers 32.
 //
 // A pair of words (64 columns, one group at G = 64) of two rows becomes their 2 x 64 weights in five
-// instructions, from the pair layout (q4_pack_pairs; bitmap_q4_kernels.h): per block and pair a 2-byte
+// instructions, from the pair layout (q4_pack_pairs; bitmap_q4/kernels.h): per block and pair a 2-byte
 // header, then per two rows their kept codes in the same bytes (the first row's k-th in byte k's low nibble,
 // the second row's in its high nibble): one 64-byte load, per row a gf2p8affineqb that moves its nibble to
 // bits 1-4 and clears the rest (2 * code), and vpexpandb that puts the kept ones at their columns, merged into
@@ -160,12 +160,12 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "bitmap_q4_kernels.h"
+#include "bitmap_q4/kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,avx512vnni,avx512bf16,gfni,bmi,bmi2,popcnt,fma,f16c")
 
-#include "kernel_avx512.h"  // compiled for the target above
+#include "common/kernel_avx512.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {
@@ -204,7 +204,7 @@ struct PairDecoder {
 
   // Rows 2 rp and 2 rp + 1 of a block at pair q (masks: the block's, unused for a dense layout), from their
   // shared code bytes at `codes` (the first row's codes in the low nibbles, the second's in the high ones; see
-  // bitmap_q4_kernels.h), as u8 15 more than the level (2 * code where kept, 15 elsewhere): one 64-byte load,
+  // bitmap_q4/kernels.h), as u8 15 more than the level (2 * code where kept, 15 elsewhere): one 64-byte load,
   // one gf2p8affineqb per row for 2 * code and vpexpandb to the kept columns, merged into 15s (a dense layout:
   // no expand).
   template <bool Dense>
@@ -274,28 +274,40 @@ constexpr int64_t kPrefetchBytes = 4096;
 // from the pass's start was slower than the one-block kernel where a block's codes pass 4 KiB (down_proj).
 constexpr int64_t kPairPrefetchBytes = 1024, kPairMaskPrefetchBytes = 0;
 
-// Block `b`'s rows for rows m0 .. m0 + M of x. GP: pairs per group (0: p.group_pairs, read at run time).
-// `scales` has room for kPairRows * M * groups floats. Asym: the asymmetric grid (p.zeros): each lane's dot starts
-// from -zero * q's sum over its 4 columns (the row's zero point; one more vpdpbusd per row and row of x) and adds
-// u * q (u = code, or zero where pruned), so that it ends at exactly the kept columns' (code - zero) * q, folded
-// with s_w * s_x.
-template <int M, int GP, bool Dense, bool Asym>
-void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
+// The bias of a block's rows row0 .. row0 + real (0 without one).
+inline __m128 block_bias(const Q4PairProblem& p, int64_t row0, int64_t real) {
+  return p.bias == nullptr ? _mm_setzero_ps()
+                           : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << real) - 1), p.bias + row0);
+}
+
+// y[at .. at + real) = a block's four row sums (acc0..acc3 summed) plus (Asym) its zero points' term and `bias`, in
+// y's dtype.
+template <bool Asym>
+LEAP_ALWAYS_INLINE void store_block(const Q4PairProblem& p, int64_t at, int64_t real, __m512 acc0, __m512 acc1,
+                                    __m512 acc2, __m512 acc3, __m512 zero_term, __m128 bias) {
+  const __m128 sums = _mm_add_ps(with_zero_term<Asym>(sum4(acc0, acc1, acc2, acc3), zero_term), bias);
+  if (p.dtype == DType::BF16) {
+    store4<DType::BF16>(p.y, at, sums, static_cast<int>(real));
+  } else {
+    store4<DType::F32>(p.y, at, sums, static_cast<int>(real));
+  }
+}
+
+// Block `b`'s table for rows m0 .. m0 + M of x: scales[m * groups * R + g * R + r] = 0.5 * s_w[r, g] * s_x[m, g]
+// (x is quantized per weight group), 16 at a time from the block's scales as the layout stores them ([groups, R]
+// fp16; padded rows 0), each x scale spread over its group's R lanes; Asym: s_w * s_x, and the zero points' term per
+// row of x in zero_term[m], lanes as the table's (add_zero_term). First the next block's scales are prefetched,
+// which its table needs before its first pair: a miss there stalls the block.
+template <int M, bool Asym>
+LEAP_ALWAYS_INLINE void block_table(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales,
+                                    __m512 (&zero_term)[M]) {
   constexpr int R = kPairRows;
-  const PairDecoder<Asym> dec;
-  const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
-  const int64_t row0 = b * R, real = std::min<int64_t>(R, p.rows - row0);
-  // scales[m * groups * R + g * R + r] = 0.5 * s_w[r, g] * s_x[m, g] (x is quantized per weight group):
-  // 16 at a time from the block's scales as the layout stores them ([groups, R] fp16; padded rows 0),
-  // each x scale spread over its group's R lanes.
+  const int64_t groups = p.groups;
   const uint16_t* sw = p.scales + b * groups * R;
-  // The next block's scales, which its table needs before its first pair: a miss there stalls the block.
   for (int64_t i = 0; i < groups * R * 2; i += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(sw + groups * R) + i, _MM_HINT_T0);
   }
   const __m512i spread_x = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  // Asym: the zero points' term per row of x, lanes as the table's (add_zero_term).
-  __m512 zero_term[M];
   for (int m = 0; m < M; ++m) zero_term[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 4) {
     const __mmask16 valid = groups - g >= 4 ? 0xffff : static_cast<__mmask16>((1u << (R * (groups - g))) - 1);
@@ -316,6 +328,61 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
       }
     }
   }
+}
+
+// Pair q's 64 bytes of each row of x (`xv_base`: row m at m * cols) and each lane's start: -15 * the sums of q over
+// its 4 columns (a table of them made by quantize_x was slower: L1 space); Asym: 0 (the zero points' term is
+// zero_term's).
+template <int M, bool Asym>
+LEAP_ALWAYS_INLINE void pair_x(const PairDecoder<Asym>& dec, const int8_t* xv_base, int64_t cols, int64_t q,
+                               __m512i (&xv)[M], __m512i (&start)[M]) {
+  for (int m = 0; m < M; ++m) {
+    xv[m] = _mm512_loadu_si512(xv_base + m * cols + 64 * q);
+    start[m] = Asym ? _mm512_setzero_si512()
+                    : _mm512_sub_epi32(_mm512_setzero_si512(),
+                                       _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
+  }
+}
+
+// A block's rows at pair q (their codes at at[rp], 2 rows each; `z`: the zero points of the pair's group) times the
+// M rows of x, folded into acc[r][m] with the table's s[m * stride + r] (stride: groups * R).
+template <int M, bool Dense, bool Asym>
+LEAP_ALWAYS_INLINE void block_pair(const PairDecoder<Asym>& dec, const uint8_t* const (&at)[2], const uint64_t* masks,
+                                   int64_t q, const uint8_t* z, const __m512i (&xv)[M], const __m512i (&start)[M],
+                                   const float* s, int64_t stride, __m512 (&acc)[kPairRows][M]) {
+  for (int rp = 0; rp < kPairRows / 2; ++rp) {
+    __m512i w[2], zero[2];
+    if constexpr (Asym) {
+      zero_points(z, rp, zero);
+      dec.template rows<Dense>(at[rp], masks, q, rp, w, zero[0], zero[1]);
+    } else {
+      dec.template rows<Dense>(at[rp], masks, q, rp, w);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int r = 2 * rp + h;
+      for (int m = 0; m < M; ++m) {
+        // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
+        // Asym: sum u * q = the kept columns' code * q + zero * the pruned columns' q.
+        const __m512i sum = _mm512_dpbusd_epi32(start[m], w[h], xv[m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * stride + r]), acc[r][m]);
+      }
+    }
+  }
+}
+
+// Block `b`'s rows for rows m0 .. m0 + M of x. GP: pairs per group (0: p.group_pairs, read at run time).
+// `scales` has room for kPairRows * M * groups floats. Asym: the asymmetric grid (p.zeros): each lane's dot starts
+// from -zero * q's sum over its 4 columns (the row's zero point; one more vpdpbusd per row and row of x) and adds
+// u * q (u = code, or zero where pruned), so that it ends at exactly the kept columns' (code - zero) * q, folded
+// with s_w * s_x.
+template <int M, int GP, bool Dense, bool Asym>
+void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
+  constexpr int R = kPairRows;
+  const PairDecoder<Asym> dec;
+  const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
+  const int64_t row0 = b * R, real = std::min<int64_t>(R, p.rows - row0);
+  __m512 zero_term[M];
+  block_table<M, Asym>(p, b, m0, scales, zero_term);
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -327,49 +394,95 @@ void block(const Q4PairProblem& p, int64_t b, int64_t m0, float* scales) {
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
     _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes, _MM_HINT_T0);
     __m512i xv[M], start[M];
-    for (int m = 0; m < M; ++m) {
-      xv[m] = _mm512_loadu_si512(xv_base + m * p.cols + 64 * q);
-      // -15 * the sums of q over 4 columns (a table of them made by quantize_x was slower: L1 space); Asym: 0
-      // (the zero points' term is zero_term's).
-      start[m] = Asym ? _mm512_setzero_si512()
-                      : _mm512_sub_epi32(_mm512_setzero_si512(),
-                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, xv[m]));
-    }
+    pair_x<M, Asym>(dec, xv_base, p.cols, q, xv, start);
     const uint8_t* at[2];
     PairDecoder<Asym>::template starts<Dense>(c, at);
-    for (int rp = 0; rp < R / 2; ++rp) {
-      __m512i w[2], zero[2];
-      if constexpr (Asym) {
-        zero_points(z, rp, zero);
-        dec.template rows<Dense>(at[rp], masks, q, rp, w, zero[0], zero[1]);
-      } else {
-        dec.template rows<Dense>(at[rp], masks, q, rp, w);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const int r = 2 * rp + h;
-        for (int m = 0; m < M; ++m) {
-          // Lane l: -15 * (q's sum over its 4 columns) + sum (level + 15) * q = the kept columns' level * q.
-          // Asym: sum u * q = the kept columns' code * q + zero * the pruned columns' q.
-          const __m512i sum = _mm512_dpbusd_epi32(start[m], w[h], xv[m]);
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(s[m * groups * R + r]), acc[r][m]);
-        }
-      }
-    }
+    block_pair<M, Dense, Asym>(dec, at, masks, q, z, xv, start, s, groups * R, acc);
     if (++j == gp) {
       j = 0;
       s += R;
       if constexpr (Asym) z += R;
     }
   }
-  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
-                                        : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << real) - 1), p.bias + row0);
+  const __m128 bias = block_bias(p, row0, real);
   for (int m = 0; m < M; ++m) {
-    const __m128 sums = _mm_add_ps(with_zero_term<Asym>(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), zero_term[m]),
-                                   bias);
-    if (p.dtype == DType::BF16) {
-      store4<DType::BF16>(p.y, (m0 + m) * p.y_stride + row0, sums, static_cast<int>(real));
+    store_block<Asym>(p, (m0 + m) * p.y_stride + row0, real, acc[0][m], acc[1][m], acc[2][m], acc[3][m], zero_term[m],
+                      bias);
+  }
+}
+
+// block_pair_m1's tables of blocks b and b + 1, one after the other (their scales are too): 0.5 * s_w * s_x as
+// block() makes them, from `spread` (the x scales spread over their groups' R lanes); Asym: each block's zero
+// points' term, also as block() makes it, and (ZeroCopy) the two blocks' zero points, one per 4 bytes, zoff floats
+// after the tables. First the next two blocks' scales are prefetched.
+template <bool Asym, bool ZeroCopy>
+LEAP_ALWAYS_INLINE void pair_m1_tables(const Q4PairProblem& p, int64_t b, float* scales, const float* spread,
+                                       const float* spread_starts, int64_t zoff, __m512 (&zero_term)[2]) {
+  constexpr int R = kPairRows;
+  const int64_t groups = p.groups;
+  const uint16_t* sw = p.scales + b * groups * R;
+  for (int64_t i = 0; i < 2 * groups * R * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(sw + 2 * groups * R) + i, _MM_HINT_T0);
+  }
+  zero_term[0] = _mm512_setzero_ps();
+  zero_term[1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < groups * R; i += 16) {
+    const __mmask16 valid = groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (groups * R - i)) - 1);
+    const __m512 x = _mm512_load_ps(spread + i);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = h * groups * R + i;
+      const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + at));
+      const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
+      const __m512 table = _mm512_mul_ps(w, x);
+      _mm512_mask_storeu_ps(scales + at, valid, table);
+      if constexpr (Asym) {
+        const __m512i zero = zero_points_epi32(valid, p.zeros + b * groups * R + at);
+        if constexpr (ZeroCopy) _mm512_mask_storeu_epi32(scales + zoff + at, valid, zero);
+        zero_term[h] = add_zero_term(zero_term[h], table, _mm512_cvtepi32_ps(zero), _mm512_load_ps(spread_starts + i));
+      }
+    }
+  }
+}
+
+// The prefetches of a block_pair_m1 pass: the next pass's codes at `ahead` (two lines; four in a dense layout)
+// and, in a sparse one, its masks.
+template <bool Dense>
+LEAP_ALWAYS_INLINE void pair_m1_prefetch(const char* ahead, const uint64_t*& masks_ahead) {
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  if constexpr (Dense) {
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    _mm_prefetch(ahead + 192, _MM_HINT_T0);
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(masks_ahead) + kPairMaskPrefetchBytes, _MM_HINT_T0);
+    masks_ahead += 2 * kPairRows;
+  }
+}
+
+// One block's rows in a block_pair_m1 pass: its codes from `c` (advanced to its next pass), its masks at `masks`,
+// its table at `s` and (Asym) its zero points at `z` (ZeroCopy: at s + zoff, one per 4 bytes), times x (its starts
+// `start`), folded into acc[r] in block<1>'s order.
+template <bool Dense, bool Asym, bool ZeroCopy>
+LEAP_ALWAYS_INLINE void pair_m1_block(const PairDecoder<Asym>& dec, const uint8_t*& c, const uint64_t* masks,
+                                      const float* s, const uint8_t* z, int64_t zoff, __m512i x, __m512i start,
+                                      __m512 (&acc)[kPairRows]) {
+  const uint8_t* at[2];
+  PairDecoder<Asym>::template starts<Dense>(c, at);
+  for (int rp = 0; rp < kPairRows / 2; ++rp) {
+    __m512i w[2], zero[2];
+    if constexpr (Asym) {
+      if constexpr (ZeroCopy) {
+        zero_points_at(s + zoff, rp, zero);
+      } else {
+        zero_points(z, rp, zero);
+      }
+      dec.template rows<Dense>(at[rp], masks, 0, rp, w, zero[0], zero[1]);
     } else {
-      store4<DType::F32>(p.y, (m0 + m) * p.y_stride + row0, sums, static_cast<int>(real));
+      dec.template rows<Dense>(at[rp], masks, 0, rp, w);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int r = 2 * rp + h;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s[r]), acc[r]);
     }
   }
 }
@@ -383,14 +496,10 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   constexpr int R = kPairRows;
   const PairDecoder<Asym> dec;
   const int64_t pairs = p.cols / 64, groups = p.groups, gp = GP > 0 ? GP : p.group_pairs;
-  const uint16_t* sw = p.scales + b * groups * R;
-  for (int64_t i = 0; i < 2 * groups * R * 2; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(sw + 2 * groups * R) + i, _MM_HINT_T0);
-  }
   // Asym: the zero points of the pair's group, from the layout (z0, z1: two more pointers advancing with s0, s1),
   // or with groups read at run time (GP = 0), where those pointers made GCC spill the loop's scalars to mask
   // registers, from a copy of the two blocks' (as contiguous as their scales) one per 4 bytes after the tables,
-  // at a fixed distance from each row's scale, stored by the tables' loop below, which reads them anyway.
+  // at a fixed distance from each row's scale, stored by pair_m1_tables, which reads them anyway.
   // Measured (1B shapes, cold, processes alternated, asym / sym): the copy at G = 64 1.13-1.21 against the
   // pointers' 1.03-1.08; at G = 128 1.05-1.17 against 1.11-1.22. Not kept: the 8 rows' zero points broadcast
   // once per group into registers held across its pairs (half the broadcasts at G = 128): slower (1B shape
@@ -400,25 +509,8 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   const uint8_t* z0 = Asym && !kZeroCopy ? p.zeros + b * groups * R : nullptr;
   const uint8_t* z1 = Asym && !kZeroCopy ? z0 + groups * R : nullptr;
   const int64_t zoff = 2 * groups * R;
-  // The two blocks' tables, one after the other (their scales are too): 0.5 * s_w * s_x as block() makes them;
-  // Asym: each block's zero points' term, also as block() makes it.
-  __m512 zero_term[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t i = 0; i < groups * R; i += 16) {
-    const __mmask16 valid = groups * R - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (groups * R - i)) - 1);
-    const __m512 x = _mm512_load_ps(spread + i);
-    for (int h = 0; h < 2; ++h) {
-      const int64_t at = h * groups * R + i;
-      const __m512 half_w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, sw + at));
-      const __m512 w = Asym ? half_w : _mm512_mul_ps(_mm512_set1_ps(0.5f), half_w);
-      const __m512 table = _mm512_mul_ps(w, x);
-      _mm512_mask_storeu_ps(scales + at, valid, table);
-      if constexpr (Asym) {
-        const __m512i zero = zero_points_epi32(valid, p.zeros + b * groups * R + at);
-        if constexpr (kZeroCopy) _mm512_mask_storeu_epi32(scales + zoff + at, valid, zero);
-        zero_term[h] = add_zero_term(zero_term[h], table, _mm512_cvtepi32_ps(zero), _mm512_load_ps(spread_starts + i));
-      }
-    }
-  }
+  __m512 zero_term[2];
+  pair_m1_tables<Asym, kZeroCopy>(p, b, scales, spread, spread_starts, zoff, zero_term);
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
@@ -436,62 +528,17 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   const float* s0 = scales;
   const float* s1 = scales + groups * R;
   for (int64_t q = 0, j = 0; q < pairs; ++q) {
-    const char* ahead = reinterpret_cast<const char*>(ahead_base + reinterpret_cast<uintptr_t>(c0) +
-                                                      reinterpret_cast<uintptr_t>(c1));
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    if constexpr (Dense) {
-      _mm_prefetch(ahead + 128, _MM_HINT_T0);
-      _mm_prefetch(ahead + 192, _MM_HINT_T0);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(masks_ahead) + kPairMaskPrefetchBytes, _MM_HINT_T0);
-      masks_ahead += 2 * R;
-    }
+    pair_m1_prefetch<Dense>(reinterpret_cast<const char*>(ahead_base + reinterpret_cast<uintptr_t>(c0) +
+                                                          reinterpret_cast<uintptr_t>(c1)),
+                            masks_ahead);
     const __m512i x = _mm512_loadu_si512(xv);
     xv += 64;
     // Each row's start as block() makes it.
     const __m512i start =
         Asym ? _mm512_setzero_si512()
              : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.fifteen, x));
-    const uint8_t* at[2];
-    PairDecoder<Asym>::template starts<Dense>(c0, at);
-    for (int rp = 0; rp < R / 2; ++rp) {
-      __m512i w[2], zero[2];
-      if constexpr (Asym) {
-        if constexpr (kZeroCopy) {
-          zero_points_at(s0 + zoff, rp, zero);
-        } else {
-          zero_points(z0, rp, zero);
-        }
-        dec.template rows<Dense>(at[rp], masks0, 0, rp, w, zero[0], zero[1]);
-      } else {
-        dec.template rows<Dense>(at[rp], masks0, 0, rp, w);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const int r = 2 * rp + h;
-        acc[0][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s0[r]), acc[0][r]);
-      }
-    }
-    PairDecoder<Asym>::template starts<Dense>(c1, at);
-    for (int rp = 0; rp < R / 2; ++rp) {
-      __m512i w[2], zero[2];
-      if constexpr (Asym) {
-        if constexpr (kZeroCopy) {
-          zero_points_at(s1 + zoff, rp, zero);
-        } else {
-          zero_points(z1, rp, zero);
-        }
-        dec.template rows<Dense>(at[rp], masks1, 0, rp, w, zero[0], zero[1]);
-      } else {
-        dec.template rows<Dense>(at[rp], masks1, 0, rp, w);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const int r = 2 * rp + h;
-        acc[1][r] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[h], x)), _mm512_set1_ps(s1[r]), acc[1][r]);
-      }
-    }
+    pair_m1_block<Dense, Asym, kZeroCopy>(dec, c0, masks0, s0, z0, zoff, x, start, acc[0]);
+    pair_m1_block<Dense, Asym, kZeroCopy>(dec, c1, masks1, s1, z1, zoff, x, start, acc[1]);
     if constexpr (!Dense) {
       masks0 += R;
       masks1 += R;
@@ -508,15 +555,8 @@ void block_pair_m1(const Q4PairProblem& p, int64_t b, float* scales, const float
   }
   for (int h = 0; h < 2; ++h) {
     const int64_t row0 = (b + h) * R, real = std::min<int64_t>(R, p.rows - row0);
-    const __m128 bias = p.bias == nullptr ? _mm_setzero_ps()
-                                          : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << real) - 1), p.bias + row0);
-    const __m128 sums = _mm_add_ps(with_zero_term<Asym>(sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), zero_term[h]),
-                                   bias);
-    if (p.dtype == DType::BF16) {
-      store4<DType::BF16>(p.y, row0, sums, static_cast<int>(real));
-    } else {
-      store4<DType::F32>(p.y, row0, sums, static_cast<int>(real));
-    }
+    store_block<Asym>(p, row0, real, acc[h][0], acc[h][1], acc[h][2], acc[h][3], zero_term[h],
+                      block_bias(p, row0, real));
   }
 }
 

@@ -2,13 +2,13 @@
 //   leap_sparse_cpu::bitmap_q4_linear(x, bitmap, codes, scales, row_offsets, n_cols, bias=None, zeros=None,
 //                                     checked=False)
 //       -> y = x W^T + b, W[r, c] = scales[r, c / G] * (code - 7.5) where kept, 0 elsewhere; with zeros (the
-//          asymmetric grid, bitmap_q4_kernels.h: far less quality lost than with 7.5) scales[r, c / G] *
-//          (code - zero of row r and group c / G); bitmap_q4_avx512.cpp measures what it costs. Unless `checked`
+//          asymmetric grid, bitmap_q4/kernels.h: far less quality lost than with 7.5) scales[r, c / G] *
+//          (code - zero of row r and group c / G); bitmap_q4/avx512.cpp measures what it costs. Unless `checked`
 //          (the caller checked the layout once, as the vLLM layer does at load), every row offset is checked
-//          against the bitmap first (offset_checks.h): a corrupt one would read outside `codes`
+//          against the bitmap first (common/offset_checks.h): a corrupt one would read outside `codes`
 //   leap_sparse_cpu::bitmap_q4_validate(bitmap, codes, scales, row_offsets, n_cols, zeros=None)
 //       -> checks every row's offset against the bitmap (once, when a layer loads: it reads the whole bitmap)
-// Registered as a fragment of the leap_sparse_cpu library that bitmap_linear.cpp defines, and using the
+// Registered as a fragment of the leap_sparse_cpu library that common/isa.cpp defines, and using the
 // instruction set that its isa()/set_isa() choose (one choice for both ops). Up to kSparseMaxM rows of x
 // run the sparse kernels, which read each weight's bitmap, codes and scales once per call; more rows
 // (prefill) decode tiles of W (exact fp32; for bf16 x bf16, each exact value rounded once, straight from the
@@ -26,9 +26,9 @@
 #include <string>
 #include <vector>
 
-#include "bitmap_q4_kernels.h"
-#include "offset_checks.h"
-#include "op_common.h"
+#include "bitmap_q4/kernels.h"
+#include "common/offset_checks.h"
+#include "common/op_common.h"
 
 namespace leap_sparse {
 namespace {
@@ -77,6 +77,55 @@ void check_zeros(const char* op, const std::optional<at::Tensor>& zeros, const a
                   zeros->size(1) == stride,
               op, ": zeros must be uint8 [", rows, ", ", stride, "] (two 4-bit zero points a byte for the ",
               scales.size(1), " groups of each row), got ", zeros->scalar_type(), " ", zeros->sizes());
+}
+
+// Where each range of rows reads its codes: rows before `unpadded` from `whole`, the others from `padded` (a
+// copy of the last rows' codes with kCodePad zeros after them); `grain` rows at least per task.
+struct CodeSplit {
+  int64_t unpadded;
+  Codes whole, padded;
+  int64_t grain;
+};
+
+// Up to kSparseMaxM rows of x: x as the kernels read it, then the sparse kernels over the rows.
+void q4_sparse_rows(Q4Problem& p, const at::Tensor& x2, Q4Isa isa, const CodeSplit& split) {
+  const int64_t m = p.m, n_cols = p.cols;
+  p.x_is_bf16 = isa == Q4Isa::Avx512 && p.dtype == DType::BF16;
+  at::Tensor packed;
+  if (p.x_is_bf16 && m > 1) {
+    packed = at::empty({m, n_cols}, x2.options());
+    interleave_words(static_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), m, n_cols,
+                     static_cast<uint16_t*>(packed.data_ptr()));
+  } else if (p.x_is_bf16 || p.dtype == DType::F32) {
+    packed = x2;  // one bf16 row is already interleaved; fp32 rows are read as they are
+  } else {
+    packed = at::empty({m, n_cols}, x2.options().dtype(at::kFloat));
+    widen_x_avx2(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, packed.data_ptr<float>(), n_cols);
+  }
+  p.x = packed.data_ptr();
+  p.x_stride = packed.stride(0);
+  const auto gemm = isa == Q4Isa::Avx512 ? q4_gemm_rows_avx512 : q4_gemm_rows_avx2;
+  parallel_rows(0, p.rows, split.grain, split.unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
+    gemm(p, in_tail ? split.padded : split.whole, begin, end);
+  });
+}
+
+// More rows: exact fp32 tiles and ATen's GEMM (for bf16 x bf16 tiles: the AVX-512 kernel writes them, AVX2's
+// fp32 ones are converted by ATen).
+void q4_tiled_rows(const Q4Problem& p, const at::Tensor& x2, const std::optional<at::Tensor>& bias, at::Tensor& y,
+                   Q4Isa isa, const CodeSplit& split) {
+  const int64_t n_cols = p.cols;
+  const auto decode = isa == Q4Isa::Avx512 ? q4_decode_rows_avx512 : q4_decode_rows_avx2;
+  tiled_gemm(x2, bias, p.rows, 1, y, isa == Q4Isa::Avx512, [&](int64_t first, int64_t last, void* tile, bool bf16) {
+    parallel_rows(first, last, split.grain, split.unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
+      const Codes c = in_tail ? split.padded : split.whole;
+      if (bf16) {
+        q4_decode_rows_bf16_avx512(p, c, begin, end, static_cast<uint16_t*>(tile) + (begin - first) * n_cols, n_cols);
+      } else {
+        decode(p, c, begin, end, static_cast<float*>(tile) + (begin - first) * n_cols, n_cols);
+      }
+    });
+  });
 }
 
 at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& codes,
@@ -132,48 +181,19 @@ at::Tensor bitmap_q4_linear(const at::Tensor& x, const at::Tensor& bitmap, const
     p.zeros_stride = zero.size(1);
   }
 
-  // Codes of the last rows, with kCodePad zeros after them (see bitmap_linear.cpp).
+  // Codes of the last rows, with kCodePad zeros after them (see bitmap/op.cpp).
   const int64_t unpadded = first_unpadded_row(offset, rows, n_codes, kCodePad);
   const int64_t tail_first = unpadded < rows ? offset[unpadded] : n_codes;
   const at::Tensor tail = padded_tail(code, tail_first, kCodePad);
   const Codes whole{code.data_ptr<uint8_t>(), 0}, padded{tail.data_ptr<uint8_t>(), tail_first};
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / n_cols);
 
+  const CodeSplit split{unpadded, whole, padded, grain};
   if (m <= kSparseMaxM) {
-    p.x_is_bf16 = isa == Q4Isa::Avx512 && dtype == DType::BF16;
-    at::Tensor packed;
-    if (p.x_is_bf16 && m > 1) {
-      packed = at::empty({m, n_cols}, x.options());
-      interleave_words(static_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), m, n_cols,
-                       static_cast<uint16_t*>(packed.data_ptr()));
-    } else if (p.x_is_bf16 || dtype == DType::F32) {
-      packed = x2;  // one bf16 row is already interleaved; fp32 rows are read as they are
-    } else {
-      packed = at::empty({m, n_cols}, x.options().dtype(at::kFloat));
-      widen_x_avx2(dtype, x2.data_ptr(), x2.stride(0), m, n_cols, packed.data_ptr<float>(), n_cols);
-    }
-    p.x = packed.data_ptr();
-    p.x_stride = packed.stride(0);
-    const auto gemm = isa == Q4Isa::Avx512 ? q4_gemm_rows_avx512 : q4_gemm_rows_avx2;
-    parallel_rows(0, rows, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
-      gemm(p, in_tail ? padded : whole, begin, end);
-    });
-    return y;
+    q4_sparse_rows(p, x2, isa, split);
+  } else {
+    q4_tiled_rows(p, x2, bias, y, isa, split);
   }
-
-  // Exact fp32 tiles and ATen's GEMM (for bf16 x bf16 tiles: the AVX-512 kernel writes them, AVX2's fp32 ones
-  // are converted by ATen).
-  const auto decode = isa == Q4Isa::Avx512 ? q4_decode_rows_avx512 : q4_decode_rows_avx2;
-  tiled_gemm(x2, bias, rows, 1, y, isa == Q4Isa::Avx512, [&](int64_t first, int64_t last, void* tile, bool bf16) {
-    parallel_rows(first, last, grain, unpadded, [&](bool in_tail, int64_t begin, int64_t end) {
-      const Codes c = in_tail ? padded : whole;
-      if (bf16) {
-        q4_decode_rows_bf16_avx512(p, c, begin, end, static_cast<uint16_t*>(tile) + (begin - first) * n_cols, n_cols);
-      } else {
-        decode(p, c, begin, end, static_cast<float*>(tile) + (begin - first) * n_cols, n_cols);
-      }
-    });
-  });
   return y;
 }
 

@@ -7,14 +7,14 @@
 // the mask byte moves them to the byte's set bits (zero elsewhere); code - 7.5 in fp32, masked to zero
 // where the bit is clear. The asymmetric grid (Q4Problem::zeros, which loses far less quality) subtracts
 // the group's zero point instead of 7.5: the same instructions, an offset set once per group (a template
-// parameter keeps the symmetric code as it was). The structure follows bitmap_avx2.cpp: one weight row at
+// parameter keeps the symmetric code as it was). The structure follows bitmap/avx2.cpp: one weight row at
 // a time, chunks of up to 4 rows of x, not tuned by timing (the machines here run the AVX-512 kernels).
 #include <immintrin.h>
 
 #include <cstring>
 #include <utility>
 
-#include "bitmap_q4_kernels.h"
+#include "bitmap_q4/kernels.h"
 
 namespace leap_sparse {
 namespace {
@@ -47,7 +47,7 @@ constexpr SpreadTables kSpread = make_tables();
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,popcnt,bmi,bmi2")
 
-#include "kernel_common.h"  // compiled for the target above
+#include "common/kernel_common.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {

@@ -1,5 +1,5 @@
 // Sparse x W^T on the `bitmap-q4` layout (sparse_formats/bitmap_q4.py): the CPU kernels that the ISA
-// translation units define for the op in bitmap_q4_linear.cpp.
+// translation units define for the op in bitmap_q4/op.cpp.
 //
 // The layout as stored: a row-major bitmap of cols/8 bytes per row (cols is a multiple of the group
 // size, itself a multiple of 32, so every row is whole 32-column words: four bytes, read as a
@@ -11,12 +11,12 @@
 // row r in byte r * zeros_stride + g / 2, the low nibble for even g). The kernels read the tensors as they
 // are, so tensor-parallel row slices (codes re-based by the first offset) need no repacking.
 //
-// Plain C++ like bitmap_kernels.h: each ISA file compiles its kernels with its own target options.
+// Plain C++ like bitmap/kernels.h: each ISA file compiles its kernels with its own target options.
 #pragma once
 
 #include <cstdint>
 
-#include "bitmap_kernels.h"
+#include "bitmap/kernels.h"
 
 namespace leap_sparse {
 
@@ -59,9 +59,9 @@ void q4_decode_rows_avx512(const Q4Problem& p, Codes c, int64_t row_begin, int64
 void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end, float* out,
                          int64_t out_stride);
 
-// ---- int8 x (the plugin's `activations=int8`; bitmap_q4_i8_avx512.cpp) ----
+// ---- int8 x (the plugin's `activations=int8`; bitmap_q4_i8/avx512.cpp) ----
 //
-// The pair layout, made from the stored one once at load (bitmap_q4_pack_pairs in bitmap_q4_i8_linear.cpp):
+// The pair layout, made from the stored one once at load (bitmap_q4_pack_pairs in bitmap_q4_i8/op.cpp):
 // rows in blocks of kPairRows (the last block padded with empty rows), each block's data in the order the
 // kernel reads it, so that it streams from two sequential arrays with one pointer each:
 // - masks: per block, pair (64 columns) and row of the block, the pair's 64-bit mask; none (a dense layout,
@@ -117,7 +117,7 @@ void q4_pairs_gemm_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, in
 void q4_pairs_decode_blocks_avx512(const Q4PairProblem& p, int64_t block_begin, int64_t block_end, float* out,
                                    int64_t out_stride);
 
-// The same on AVX2 (bitmap_q4_i8_avx2.cpp), for CPUs without AVX-512: quantize_x_avx512's q and scales; the
+// The same on AVX2 (bitmap_q4_i8/avx2.cpp), for CPUs without AVX-512: quantize_x_avx512's q and scales; the
 // decoding kernel, which needs p.x_starts = -(each group's sum of q) on either grid (q8_group_starts_avx2) and
 // also multiplies int8 prefill (any p.m, kPairChunkM rows at a time: AVX2 has no prefill kernel); exact decoded
 // rows in fp32 and bf16 for the tiles path.
@@ -130,7 +130,7 @@ void q4_pairs_decode_blocks_avx2(const Q4PairProblem& p, int64_t block_begin, in
 void q4_pairs_decode_blocks_bf16_avx2(const Q4PairProblem& p, int64_t block_begin, int64_t block_end,
                                       uint16_t* out, int64_t out_stride);
 
-// ---- prefill with int8 x (bitmap_q4_i8_avx512.cpp) ----
+// ---- prefill with int8 x (bitmap_q4_i8/avx512.cpp) ----
 //
 // Above kPairMaxM rows of x: x quantized once per call as for decoding (Q8Rows), W decoded panel by panel
 // (kPrefillPanelRows rows) into a u8 layout for vpdpbusd (per 4-column quad and 16 rows one 64-byte register:
@@ -144,7 +144,7 @@ void q8_group_starts_avx512(const Q8Rows& q8, int64_t m, int64_t cols, int32_t* 
 void q4_pairs_prefill_panels_avx512(const Q4PairProblem& p, const int32_t* starts, int64_t panel_begin,
                                     int64_t panel_end);
 
-// ---- bf16 tiles for prefill with bf16 x (at the ends of bitmap_q4_avx512.cpp and bitmap_q4_i8_avx512.cpp) ----
+// ---- bf16 tiles for prefill with bf16 x (at the ends of bitmap_q4/avx512.cpp and bitmap_q4_i8/avx512.cpp) ----
 //
 // As q4_decode_rows_avx512 and q4_pairs_decode_blocks_avx512, but each exact fp32 value rounded once to bf16
 // (round to nearest even: bit for bit the fp32 tile converted by ATen), into bf16 out (uint16_t).

@@ -1,5 +1,5 @@
-// Helpers that the kernel files of both layouts share (bitmap_avx512.cpp, bitmap_avx2.cpp,
-// bitmap_q4_avx512.cpp, bitmap_q4_avx2.cpp, bitmap_q4_i8_avx2.cpp, int8_rows_avx2.cpp): include it after <immintrin.h>, inside the file's
+// Helpers that the kernel files of both layouts share (bitmap/avx512.cpp, bitmap/avx2.cpp,
+// bitmap_q4/avx512.cpp, bitmap_q4/avx2.cpp, bitmap_q4_i8/avx2.cpp, int8_rows/avx2.cpp): include it after <immintrin.h>, inside the file's
 // `#pragma GCC target` region, so that every function here is compiled for that file's instructions.
 // They use nothing beyond AVX2, FMA, F16C and POPCNT, which both targets enable, and sit in an anonymous
 // namespace: each file keeps its own copy, compiled for its own target (one shared copy, compiled for
@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "bitmap_kernels.h"
+#include "common/types.h"
 
 namespace leap_sparse {
 namespace {

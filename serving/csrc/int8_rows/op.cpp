@@ -1,11 +1,11 @@
-// The torch ops of int8-rows weights (an 8-bit lm_head; int8_rows_kernels.h):
+// The torch ops of int8-rows weights (an 8-bit lm_head; int8_rows/kernels.h):
 //   leap_sparse_cpu::int8_rows_available() -> whether this CPU and the chosen ISA run int8_rows_linear
 //   leap_sparse_cpu::int8_rows_linear(x, qweight, scales, row_sums, bias=None)
 //       -> y = x W^T + b for W = scales * qweight (int8 [rows, cols], fp16 [rows]; row_sums: int32 [rows], each
 //          row's sum of codes, made once at load), x quantized to int8 per row (scale max|x| / 127, ties to even:
 //          serving.int8_linear.int8_rows_activations) and multiplied in integers, for up to kInt8RowsMaxM rows
 //          of x (decoding steps; the caller multiplies more another way).
-// A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
+// A fragment of the leap_sparse_cpu library (common/isa.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,9 +16,9 @@
 #include <optional>
 #include <string>
 
-#include "bitmap_q4_kernels.h"
-#include "int8_rows_kernels.h"
-#include "op_common.h"
+#include "bitmap_q4/kernels.h"
+#include "int8_rows/kernels.h"
+#include "common/op_common.h"
 
 namespace leap_sparse {
 namespace {

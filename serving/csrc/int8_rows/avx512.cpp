@@ -1,4 +1,4 @@
-// AVX-512 VNNI kernel for int8-rows weights with int8 x (int8_rows_kernels.h): an 8-bit lm_head's decoding steps.
+// AVX-512 VNNI kernel for int8-rows weights with int8 x (int8_rows/kernels.h): an 8-bit lm_head's decoding steps.
 //
 // Why: vLLM's oneDNN int8 GEMM (OneDNNInt8, the path before) took 3.1-4.5 ms per call for the 1B shape's lm_head
 // (49152 x 2048, M = 1, 1 thread on core 0, four copies rotated so that each call reads from DRAM), 22-32 GB/s,
@@ -15,12 +15,12 @@
 
 #include <algorithm>
 
-#include "int8_rows_kernels.h"
+#include "int8_rows/kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,f16c,fma")
 
-#include "kernel_avx512.h"  // compiled for the target above
+#include "common/kernel_avx512.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {

@@ -6,14 +6,14 @@
 // kernels read it as it is, so tensor-parallel slicing and `leapctl validate` see the same tensors.
 //
 // This header is plain C++ (no torch, no intrinsics): each ISA file compiles its kernels with its own
-// target options, and the op (bitmap_linear.cpp) picks one at run time from the CPU's flags.
+// target options, and the op (bitmap/op.cpp) picks one at run time from the CPU's flags.
 #pragma once
 
 #include <cstdint>
 
-namespace leap_sparse {
+#include "common/types.h"
 
-enum class DType : int { BF16 = 0, F16 = 1, F32 = 2 };
+namespace leap_sparse {
 
 // A vector load of values may read up to this many elements past a row's last value. The op gives
 // the kernels a zero-padded copy of the values of the last rows, whose loads would leave `values`.
@@ -23,18 +23,6 @@ constexpr int64_t kValuePad = 64;
 // rows of x the bf16 kernel measured 0.81-0.92x dense against 0.64-0.75x for decoded tiles, at 48 both
 // 0.74-0.81x, at 64 the decoded tiles were ahead (0.78-0.82x against 0.52-0.80x).
 constexpr int64_t kSparseMaxM = 40;
-
-// What every kernel's problem has (set by op_common.h's set_operands): the weight's shape, the rows of x and
-// where y goes. Each layout's problem adds its weight's and x's pointers.
-struct Operands {
-  DType dtype;  // of y (and of x as the op hands it over)
-  int64_t rows;
-  int64_t cols;
-  int64_t m;          // rows of x
-  const float* bias;  // [rows] in fp32, or nullptr
-  void* y;            // [m, y_stride] of dtype
-  int64_t y_stride;
-};
 
 struct Problem : Operands {    // dtype: also of the values
   const uint8_t* bitmap;       // [rows, bitmap_stride]

@@ -1,4 +1,4 @@
-// AVX2 kernel for int8-rows weights with int8 x (int8_rows_kernels.h): an 8-bit lm_head's decoding steps on CPUs
+// AVX2 kernel for int8-rows weights with int8 x (int8_rows/kernels.h): an 8-bit lm_head's decoding steps on CPUs
 // without AVX-512.
 //
 // Why: the path before on such CPUs, vLLM's oneDNN int8 GEMM, took 89 ms a call for SmolLM2's lm_head (49152 x
@@ -12,12 +12,12 @@
 #include <algorithm>
 #include <cmath>
 
-#include "int8_rows_kernels.h"
+#include "int8_rows/kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,popcnt,bmi,bmi2")
 
-#include "kernel_common.h"  // compiled for the target above
+#include "common/kernel_common.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {

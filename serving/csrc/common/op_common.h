@@ -1,4 +1,4 @@
-// What the torch ops (bitmap_linear.cpp, bitmap_q4_linear.cpp, bitmap_q4_i8_linear.cpp, int8_rows_linear.cpp)
+// What the torch ops (bitmap/op.cpp, bitmap_q4/op.cpp, bitmap_q4_i8/op.cpp, int8_rows/op.cpp)
 // share: the chosen ISA, the dtype of x, the output, the zero-padded copy of the last rows' weights, the split
 // of rows between threads, bf16 x interleaved for the AVX-512 kernels. Plain C++ with ATen, no intrinsics.
 #pragma once
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "bitmap_kernels.h"
+#include "common/types.h"
 
 namespace leap_sparse {
 namespace {
@@ -30,7 +30,7 @@ constexpr int64_t kTileBytes = 2 << 20;    // tile of W decoded per GEMM above k
 // 0.75M 0.984-1.003, 1M 0.987-0.990, 1.5M 0.983-0.995; 0.25M 1.02-1.04, 4M and 8M 1.01-1.05.
 constexpr int64_t kTileWeights = 1 << 20;
 
-// The kernel that leap_sparse_cpu::isa() names ("avx512", "avx2" or "none"): bitmap_linear.cpp keeps the
+// The kernel that leap_sparse_cpu::isa() names ("avx512", "avx2" or "none"): common/isa.cpp keeps the
 // choice, and asking its op keeps the other ops' files independent of that one.
 inline std::string chosen_isa() {
   static const auto isa_op =

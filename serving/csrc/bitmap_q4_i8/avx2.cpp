@@ -1,9 +1,9 @@
 // AVX2 kernels for bitmap-q4 weights with int8 x (with FMA, F16C, POPCNT, BMI2): the decode path of
 // `activations=int8` on CPUs without AVX-512 (AMD Zen 2 and 3, most Intel client parts), on the same pair layout
-// as bitmap_q4_i8_avx512.cpp (bitmap_q4_kernels.h, Q4PairProblem), so that a server loads one layout whatever
+// as bitmap_q4_i8/avx512.cpp (bitmap_q4/kernels.h, Q4PairProblem), so that a server loads one layout whatever
 // its CPU.
 //
-// Why: the bf16-x AVX2 kernel (bitmap_q4_avx2.cpp) widens every column to fp32, about two instructions per
+// Why: the bf16-x AVX2 kernel (bitmap_q4/avx2.cpp) widens every column to fp32, about two instructions per
 // column: SmolLM2-135M's 120 decoder linears took 64 ms a decoding step on a Zen 3 EPYC, ten times what a
 // dense bf16 model needs there. With int8 x, one vpmaddubsw multiplies 32 columns.
 //
@@ -33,7 +33,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "bitmap_q4_kernels.h"
+#include "bitmap_q4/kernels.h"
 
 namespace leap_sparse {
 namespace {
@@ -71,7 +71,7 @@ constexpr LaneTables kLanes = make_lane_tables();
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,popcnt,bmi,bmi2")
 
-#include "kernel_common.h"  // compiled for the target above
+#include "common/kernel_common.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {

@@ -1,6 +1,6 @@
 // The per-call checks of the offsets the ops follow into a packed tensor: bitmap_linear's row offsets into
 // `values`, bitmap-q4's row offsets into `codes` (bitmap_q4_linear, bitmap_q4_pack_pairs, bitmap_q4_validate)
-// and the pair layout's block offsets and pass headers (bitmap_q4_i8_linear). Unless the caller checked the
+// and the pair layout's block offsets and pass headers (bitmap_q4_i8_linear, in bitmap_q4_i8/op.cpp). Unless the caller checked the
 // layout once (`checked=True`: the vLLM layer at load), each op runs them before its kernels read anything,
 // so a corrupt offset raises a RuntimeError naming it instead of reading outside the tensor (a segfault) or
 // multiplying the wrong weights (a row offset one byte off). One pass over the rows (blocks), split over
@@ -17,12 +17,10 @@
 #include <cstdint>
 #include <cstring>
 
-#include "bitmap_q4_kernels.h"
+#include "common/types.h"  // LEAP_ALWAYS_INLINE
 
 namespace leap_sparse {
 namespace {
-
-#define LEAP_ALWAYS_INLINE __attribute__((always_inline)) inline
 
 // Rows (blocks) per task of a check: about 2^20 bits of bitmap (masks) each.
 inline int64_t check_grain(int64_t row_bits) { return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(row_bits, 1)); }
@@ -52,22 +50,6 @@ LEAP_ALWAYS_INLINE int64_t row_code_bytes(const uint8_t* row, int64_t words) {
     uint32_t word;
     std::memcpy(&word, row + 4 * w, 4);
     bytes += (__builtin_popcount(word) + 1) >> 1;
-  }
-  return bytes;
-}
-
-// The code bytes of two rows of a block at one pair of the pair layout: the longer row's count.
-LEAP_ALWAYS_INLINE int64_t row_pair_bytes(uint64_t first, uint64_t second) {
-  return std::max(__builtin_popcountll(first), __builtin_popcountll(second));
-}
-
-// Bytes of codes of block `b` of the pair layout (`masks`: nullptr for the dense one).
-LEAP_ALWAYS_INLINE int64_t block_code_bytes(const uint64_t* masks, int64_t b, int64_t pairs) {
-  if (masks == nullptr) return pairs * 2 * 64;
-  int64_t bytes = 0;
-  for (int64_t q = 0; q < pairs; ++q) {
-    const uint64_t* m = masks + (b * pairs + q) * kPairRows;
-    bytes += kPairHeader + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
   }
   return bytes;
 }
@@ -152,10 +134,6 @@ constexpr Names kBitmapNames{"row_offsets", "row", "the bitmap puts", "the bitma
 constexpr Names kQ4Names{"row_offsets", "row", "the bitmap puts", "the bitmap needs", "code byte", "codes",
                          "check the layout with sparse_formats.get_format('bitmap-q4').check; checked=True only for a "
                          "layout checked once"};
-constexpr Names kPairNames{"block_offsets", "block", "the masks put", "the masks need", "code byte", "codes (less its padding)",
-                           "make the layout with bitmap_q4_pack_pairs; checked=True only for one it made from a "
-                           "checked weight"};
-
 // Row (block) sizes by the bitmap (masks), as functors the checks inline (lambdas might not be, and would then
 // count without the popcount instruction).
 struct RowValues {  // bitmap_linear: one value per set bit of each row of `stride` bytes
@@ -167,11 +145,6 @@ struct RowCodeBytes {  // bitmap-q4: ceil(popcount / 2) bytes per 32-column word
   const uint8_t* bitmap;
   int64_t words;
   LEAP_ALWAYS_INLINE int64_t operator()(int64_t r) const { return row_code_bytes(bitmap + 4 * r * words, words); }
-};
-struct BlockCodeBytes {  // the pair layout: the bytes of a block of kPairRows rows and `pairs` pairs
-  const uint64_t* masks;
-  int64_t pairs;
-  LEAP_ALWAYS_INLINE int64_t operator()(int64_t b) const { return block_code_bytes(masks, b, pairs); }
 };
 
 // bitmap_linear: int64 row_offsets into `values` (n_values), one value per set bit of each row (`stride` bytes).
@@ -186,35 +159,6 @@ inline void check_q4_offsets(const char* op, const uint8_t* bitmap, int64_t n_co
                              int64_t rows, int64_t n_codes) {
   const Extents<int32_t, RowCodeBytes> e{offsets, rows, n_codes, RowCodeBytes{bitmap, n_cols / 32}};
   check_extents(op, e, check_grain(n_cols), kQ4Names);
-}
-
-// The pair layout: block_offsets into `codes` (its last kPairPad bytes the padding), each block's bytes by its
-// masks; then every pass header (sparse layout) against the masks, read only once the offsets are known good.
-inline void check_pair_offsets(const char* op, const uint64_t* masks, const uint8_t* codes, int64_t n_codes,
-                               const int64_t* block_offsets, int64_t blocks, int64_t pairs) {
-  const Extents<int64_t, BlockCodeBytes> e{block_offsets, blocks, n_codes - kPairPad, BlockCodeBytes{masks, pairs}};
-  check_extents(op, e, check_grain(64 * kPairRows * pairs), kPairNames);
-  if (masks == nullptr) return;
-  std::atomic<int64_t> bad{blocks * pairs};
-  at::parallel_for(0, blocks, check_grain(64 * kPairRows * pairs), [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* c = codes + block_offsets[b];
-      for (int64_t q = 0; q < pairs; ++q) {
-        const uint64_t* m = masks + (b * pairs + q) * kPairRows;
-        const int64_t first = row_pair_bytes(m[0], m[1]), both = first + row_pair_bytes(m[2], m[3]);
-        if (c[0] != first || c[1] != both) {
-          int64_t seen = bad.load();
-          while (b * pairs + q < seen && !bad.compare_exchange_weak(seen, b * pairs + q)) {
-          }
-          return;
-        }
-        c += kPairHeader + both;
-      }
-    }
-  });
-  const int64_t at = bad.load();
-  TORCH_CHECK(at == blocks * pairs, op, ": the header of block ", at / pairs, ", pair ", at % pairs,
-              " in codes does not match the masks (", kPairNames.hint, ")");
 }
 
 }  // namespace

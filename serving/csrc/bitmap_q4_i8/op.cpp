@@ -2,28 +2,28 @@
 //   leap_sparse_cpu::bitmap_q4_i8_available() -> whether this CPU and the chosen ISA run them
 //   leap_sparse_cpu::bitmap_q4_pack_pairs(bitmap, codes, scales, row_offsets, n_cols, zeros=None,
 //                                         pruned_at_zero=False, checked=False)
-//       -> (masks, codes, block_offsets, scales, zeros): the pair layout (bitmap_q4_kernels.h) of a checked
+//       -> (masks, codes, block_offsets, scales, zeros): the pair layout (bitmap_q4/kernels.h) of a checked
 //          bitmap-q4 weight, made once at load; zeros (the asymmetric grid's zero points as stored, uint8 [rows,
 //          (groups + 1) / 2], two to a byte) become one byte per row and group in the scales' order, or an empty
 //          tensor (the symmetric grid) where none are given. pruned_at_zero (the asymmetric grid only): the dense
 //          layout, every column a code, a pruned one its group's zero point (the value 0): for CPUs without a
-//          byte expand, where reading those codes costs less than placing the kept ones (bitmap_q4_i8_avx2.cpp).
-//          Unless `checked` (a weight checked at load), the row offsets are checked first (offset_checks.h)
+//          byte expand, where reading those codes costs less than placing the kept ones (bitmap_q4_i8/avx2.cpp).
+//          Unless `checked` (a weight checked at load), the row offsets are checked first (common/offset_checks.h)
 //   leap_sparse_cpu::bitmap_q4_i8_linear(x, masks, codes, block_offsets, scales, n_rows, n_cols, bias=None,
 //                                        zeros=None, checked=False)
 //       -> y = x W^T + b from the pair layout (zeros: pack_pairs' zeros, None or empty for the symmetric grid):
 //          x is quantized to int8 per row and weight group (scale max|x| /
 //          127) and multiplied in integers: up to kPairMaxM rows (decoding steps) straight from the layout,
-//          more (prefill) by a GEMM on panels of W decoded for it (bitmap_q4_i8_avx512.cpp's header: 0.57x the
+//          more (prefill) by a GEMM on panels of W decoded for it (bitmap_q4_i8/avx512.cpp's header: 0.57x the
 //          time of the tiles below at 400 rows of Llama-3.2-1B's layer, 0.60x vLLM's oneDNN bf16 linear).
 //          Unless `checked` (a layout pack_pairs made from a checked weight, as the vLLM layer's), the block
-//          offsets and pass headers are checked against the masks first (offset_checks.h)
+//          offsets and pass headers are checked against the masks first (common/offset_checks.h)
 //   leap_sparse_cpu::bitmap_q4_i8_prefill(mode="") -> "int8" (the default) or "tiles": how the op multiplies
 //          more than kPairMaxM rows; "tiles" multiplies x as it is with exact decoded tiles of W and ATen's GEMM
 //          (for bf16 x decoded straight to bf16: each exact value rounded once), as bitmap_q4_linear does. Set
 //          for the whole process (benchmarks and tests); "" only asks. The AVX2 kernels have no prefill kernel:
 //          their "int8" prefill is the decoding kernel, kPairChunkM rows of x at a time.
-// A fragment of the leap_sparse_cpu library (bitmap_linear.cpp), using its isa()/set_isa() choice.
+// A fragment of the leap_sparse_cpu library (common/isa.cpp), using its isa()/set_isa() choice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,9 +39,9 @@
 #include <tuple>
 #include <vector>
 
-#include "bitmap_q4_kernels.h"
-#include "offset_checks.h"
-#include "op_common.h"
+#include "bitmap_q4/kernels.h"
+#include "common/offset_checks.h"
+#include "common/op_common.h"
 
 namespace leap_sparse {
 namespace {
@@ -122,10 +122,69 @@ void pack_pair(uint64_t mask, const uint8_t* codes, int nibble, uint8_t* out, in
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
-    const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_offsets,
-    int64_t n_cols, const std::optional<at::Tensor>& zeros, bool pruned_at_zero, bool checked) {
-  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
+// ---- the pair layout's offset checks (common/offset_checks.h's machinery) ----
+
+// The code bytes of two rows of a block at one pair of the pair layout: the longer row's count.
+LEAP_ALWAYS_INLINE int64_t row_pair_bytes(uint64_t first, uint64_t second) {
+  return std::max(__builtin_popcountll(first), __builtin_popcountll(second));
+}
+
+// Bytes of codes of block `b` of the pair layout (`masks`: nullptr for the dense one).
+LEAP_ALWAYS_INLINE int64_t block_code_bytes(const uint64_t* masks, int64_t b, int64_t pairs) {
+  if (masks == nullptr) return pairs * 2 * 64;
+  int64_t bytes = 0;
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint64_t* m = masks + (b * pairs + q) * kPairRows;
+    bytes += kPairHeader + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
+  }
+  return bytes;
+}
+
+// The bytes of each block, by its masks, for the checks.
+struct BlockCodeBytes {  // the pair layout: the bytes of a block of kPairRows rows and `pairs` pairs
+  const uint64_t* masks;
+  int64_t pairs;
+  LEAP_ALWAYS_INLINE int64_t operator()(int64_t b) const { return block_code_bytes(masks, b, pairs); }
+};
+
+constexpr Names kPairNames{"block_offsets", "block", "the masks put", "the masks need", "code byte",
+                           "codes (less its padding)",
+                           "make the layout with bitmap_q4_pack_pairs; checked=True only for one it made from a "
+                           "checked weight"};
+
+// The pair layout: block_offsets into `codes` (its last kPairPad bytes the padding), each block's bytes by its
+// masks; then every pass header (sparse layout) against the masks, read only once the offsets are known good.
+inline void check_pair_offsets(const char* op, const uint64_t* masks, const uint8_t* codes, int64_t n_codes,
+                               const int64_t* block_offsets, int64_t blocks, int64_t pairs) {
+  const Extents<int64_t, BlockCodeBytes> e{block_offsets, blocks, n_codes - kPairPad, BlockCodeBytes{masks, pairs}};
+  check_extents(op, e, check_grain(64 * kPairRows * pairs), kPairNames);
+  if (masks == nullptr) return;
+  std::atomic<int64_t> bad{blocks * pairs};
+  at::parallel_for(0, blocks, check_grain(64 * kPairRows * pairs), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* c = codes + block_offsets[b];
+      for (int64_t q = 0; q < pairs; ++q) {
+        const uint64_t* m = masks + (b * pairs + q) * kPairRows;
+        const int64_t first = row_pair_bytes(m[0], m[1]), both = first + row_pair_bytes(m[2], m[3]);
+        if (c[0] != first || c[1] != both) {
+          int64_t seen = bad.load();
+          while (b * pairs + q < seen && !bad.compare_exchange_weak(seen, b * pairs + q)) {
+          }
+          return;
+        }
+        c += kPairHeader + both;
+      }
+    }
+  });
+  const int64_t at = bad.load();
+  TORCH_CHECK(at == blocks * pairs, op, ": the header of block ", at / pairs, ", pair ", at % pairs,
+              " in codes does not match the masks (", kPairNames.hint, ")");
+}
+
+// The argument checks of bitmap_q4_pack_pairs.
+void check_pack_args(const char* kOp, const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& row_offsets, int64_t n_cols, const std::optional<at::Tensor>& zeros,
+                     bool pruned_at_zero) {
   TORCH_CHECK(n_cols > 0 && n_cols % 64 == 0, kOp, ": n_cols must be a positive multiple of 64, got ", n_cols);
   TORCH_CHECK(bitmap.device().is_cpu() && codes.device().is_cpu() && row_offsets.device().is_cpu() &&
                   bitmap.scalar_type() == at::kByte && bitmap.dim() == 2 && bitmap.size(1) == n_cols / 8 &&
@@ -144,28 +203,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
               zeros.has_value() ? zeros->sizes() : at::IntArrayRef{});
   TORCH_CHECK(!pruned_at_zero || zeros.has_value(), kOp,
               ": pruned_at_zero needs the asymmetric grid's zeros (the symmetric grid has no level 0)");
-  const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
-  const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
-  const uint8_t* bit_data = bits.data_ptr<uint8_t>();
-  // Each row's codes are read from its offset on: unless `checked`, the offsets must agree with the bitmap.
-  if (!checked) check_q4_offsets(kOp, bit_data, n_cols, offsets.data_ptr<int32_t>(), rows, code.numel());
+}
+
+// Each block's 64-bit masks per pair and row ([blocks, pairs, kPairRows]), the padding rows' 0.
+void pair_masks(const uint8_t* bit_data, int64_t rows, int64_t n_cols, uint64_t* mask_data) {
+  const int64_t pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
   const auto mask_of = [&](int64_t row, int64_t q) -> uint64_t {
     return row < rows ? pair_mask(bit_data + row * (n_cols / 8), q) : 0;
   };
-  at::Tensor block_offsets = at::empty({blocks}, offsets.options().dtype(at::kLong));
-  at::Tensor masks = at::empty({blocks, pairs, kPairRows}, offsets.options().dtype(at::kLong));
-  int64_t* block_offset = block_offsets.data_ptr<int64_t>();
-  uint64_t* mask_data = reinterpret_cast<uint64_t*>(masks.data_ptr<int64_t>());
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t q = 0; q < pairs; ++q) {
       for (int64_t r = 0; r < kPairRows; ++r) mask_data[(b * pairs + q) * kPairRows + r] = mask_of(b * kPairRows + r, q);
     }
   }
-  // Every weight kept (rows a whole number of blocks), or pruned_at_zero: the dense layout, without masks or pass
-  // headers.
-  const bool dense = pruned_at_zero || (rows % kPairRows == 0 &&
-                                        std::all_of(mask_data, mask_data + masks.numel(),
-                                                    [](uint64_t mask) { return mask == ~uint64_t{0}; }));
+}
+
+// Each block's first code byte (block_offset[b]); returns the bytes of all blocks. `dense`: no masks or headers.
+int64_t pair_block_offsets(const uint64_t* mask_data, int64_t blocks, int64_t pairs, bool dense,
+                           int64_t* block_offset) {
   const int64_t header = dense ? 0 : kPairHeader;
   int64_t total = 0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -175,7 +230,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
       total += dense ? 2 * 64 : header + row_pair_bytes(m[0], m[1]) + row_pair_bytes(m[2], m[3]);
     }
   }
-  const int64_t groups = scales.size(1);
+  return total;
+}
+
+// The scales in the pair layout's order: [blocks, groups, kPairRows], padded rows 0.
+at::Tensor pair_scales(const at::Tensor& scales, int64_t blocks) {
+  const int64_t rows = scales.size(0), groups = scales.size(1);
   const at::Tensor scale = scales.contiguous();
   at::Tensor block_scales = at::zeros({blocks, groups, kPairRows}, scale.options());
   block_scales.narrow(0, 0, rows / kPairRows)
@@ -183,6 +243,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
   for (int64_t row = rows / kPairRows * kPairRows; row < rows; ++row) {
     block_scales.select(0, blocks - 1).select(1, row % kPairRows).copy_(scale.select(0, row));
   }
+  return block_scales;
+}
+
+// The zero points, one byte each in the scales' order: [blocks, groups, kPairRows], padded rows 0 (empty
+// without zeros).
+at::Tensor pair_zeros(const std::optional<at::Tensor>& zeros, int64_t rows, int64_t blocks, int64_t groups,
+                      const at::TensorOptions& options) {
+  at::Tensor block_zeros = at::zeros({zeros.has_value() ? blocks : 0, groups, kPairRows}, options);
+  if (zeros.has_value()) {
+    const at::Tensor stored_zeros = zeros->contiguous();
+    const auto zero_of = [&](int64_t row, int64_t g) {  // as stored: group g of a row in byte g / 2
+      const uint8_t* z = stored_zeros.data_ptr<uint8_t>() + row * stored_zeros.size(1);
+      return (z[g / 2] >> (4 * (g % 2))) & 0xf;
+    };
+    uint8_t* zout = block_zeros.data_ptr<uint8_t>();
+    for (int64_t row = 0; row < rows; ++row) {
+      for (int64_t g = 0; g < groups; ++g) {
+        zout[((row / kPairRows) * groups + g) * kPairRows + row % kPairRows] = static_cast<uint8_t>(zero_of(row, g));
+      }
+    }
+  }
+  return block_zeros;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4_pack_pairs(
+    const at::Tensor& bitmap, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_offsets,
+    int64_t n_cols, const std::optional<at::Tensor>& zeros, bool pruned_at_zero, bool checked) {
+  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_pack_pairs";
+  check_pack_args(kOp, bitmap, codes, scales, row_offsets, n_cols, zeros, pruned_at_zero);
+  const at::Tensor bits = bitmap.contiguous(), code = codes.contiguous(), offsets = row_offsets.contiguous();
+  const int64_t rows = bits.size(0), pairs = n_cols / 64, blocks = (rows + kPairRows - 1) / kPairRows;
+  const uint8_t* bit_data = bits.data_ptr<uint8_t>();
+  // Each row's codes are read from its offset on: unless `checked`, the offsets must agree with the bitmap.
+  if (!checked) check_q4_offsets(kOp, bit_data, n_cols, offsets.data_ptr<int32_t>(), rows, code.numel());
+  at::Tensor block_offsets = at::empty({blocks}, offsets.options().dtype(at::kLong));
+  at::Tensor masks = at::empty({blocks, pairs, kPairRows}, offsets.options().dtype(at::kLong));
+  int64_t* block_offset = block_offsets.data_ptr<int64_t>();
+  uint64_t* mask_data = reinterpret_cast<uint64_t*>(masks.data_ptr<int64_t>());
+  pair_masks(bit_data, rows, n_cols, mask_data);
+  // Every weight kept (rows a whole number of blocks), or pruned_at_zero: the dense layout, without masks or pass
+  // headers.
+  const bool dense = pruned_at_zero || (rows % kPairRows == 0 &&
+                                        std::all_of(mask_data, mask_data + masks.numel(),
+                                                    [](uint64_t mask) { return mask == ~uint64_t{0}; }));
+  const int64_t total = pair_block_offsets(mask_data, blocks, pairs, dense, block_offset);
+  const int64_t groups = scales.size(1);
+  const at::Tensor block_scales = pair_scales(scales, blocks);
   at::Tensor packed = at::zeros({total + kPairPad}, code.options());
   uint8_t* out = packed.data_ptr<uint8_t>();
   const uint8_t* in = code.data_ptr<uint8_t>();
@@ -220,27 +327,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bitmap_q4
       }
     }
   });
-  // The zero points, one byte each in the scales' order: [blocks, groups, kPairRows], padded rows 0.
-  at::Tensor block_zeros = at::zeros({zeros.has_value() ? blocks : 0, groups, kPairRows}, code.options());
-  if (zeros.has_value()) {
-    uint8_t* zout = block_zeros.data_ptr<uint8_t>();
-    for (int64_t row = 0; row < rows; ++row) {
-      for (int64_t g = 0; g < groups; ++g) {
-        zout[((row / kPairRows) * groups + g) * kPairRows + row % kPairRows] = static_cast<uint8_t>(zero_of(row, g));
-      }
-    }
-  }
+  const at::Tensor block_zeros = pair_zeros(zeros, rows, blocks, groups, code.options());
   return {dense ? masks.new_empty({0}) : masks, packed, block_offsets, block_scales,
           zeros.has_value() ? block_zeros : code.new_empty({0})};
 }
 
-at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
-                               const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
-                               int64_t n_cols, const std::optional<at::Tensor>& bias,
-                               const std::optional<at::Tensor>& zeros, bool checked) {
-  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
-  TORCH_CHECK(i8_available(), kOp, " needs AVX2 (or AVX-512 with VNNI, VBMI2 and GFNI) and that ISA chosen");
-  const bool avx512 = avx512_i8();
+// The argument checks of bitmap_q4_i8_linear: the pair layout's shapes and dtypes, x's, the bias's.
+void check_i8_args(const char* kOp, const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
+                   const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows, int64_t n_cols,
+                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& zeros) {
   TORCH_CHECK(x.device().is_cpu() && masks.device().is_cpu() && codes.device().is_cpu() &&
                   scales.device().is_cpu() && block_offsets.device().is_cpu() &&
                   (!bias.has_value() || bias->device().is_cpu()),
@@ -268,6 +363,51 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
                         zeros->size(0) == blocks && zeros->size(1) == scales.size(1) && zeros->size(2) == kPairRows),
               kOp, ": zeros must be uint8 [blocks, groups, ", kPairRows, "] like the scales (bitmap_q4_pack_pairs), "
               "or empty for the symmetric grid");
+}
+
+// Prefill with int8 x (AVX-512): x quantized once, W decoded panel by panel into the int8 kernel's layout.
+void prefill_int8(Q4PairProblem& p, const at::Tensor& x2, bool asym) {
+  const int64_t m = p.m, n_cols = p.cols;
+  const Int8X xq(m, n_cols, p.groups, x2.options());
+  const Q8Rows& q8 = xq.q8;
+  quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
+  q8_group_starts_avx512(q8, m, n_cols, xq.starts, asym);
+  p.x_values = q8.values;
+  p.x_scales = q8.scales;
+  const int64_t panels = (p.rows + kPrefillPanelRows - 1) / kPrefillPanelRows;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    q4_pairs_prefill_panels_avx512(p, xq.starts, begin, end);
+  });
+}
+
+// Prefill: x as it is against exact tiles (decoded straight to bf16 for bf16 x), whole blocks of rows per tile.
+void prefill_tiles(const Q4PairProblem& p, const at::Tensor& x2, const std::optional<at::Tensor>& bias, at::Tensor& y,
+                   bool avx512, int64_t grain) {
+  const int64_t n_cols = p.cols;
+  const auto decode_bf16 = avx512 ? q4_pairs_decode_blocks_bf16_avx512 : q4_pairs_decode_blocks_bf16_avx2;
+  const auto decode_f32 = avx512 ? q4_pairs_decode_blocks_avx512 : q4_pairs_decode_blocks_avx2;
+  tiled_gemm(x2, bias, p.rows, kPairRows, y, true, [&](int64_t first, int64_t last, void* tile, bool bf16) {
+    at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
+      const int64_t at_row = (begin * kPairRows - first) * n_cols;
+      if (bf16) {
+        decode_bf16(p, begin, end, static_cast<uint16_t*>(tile) + at_row, n_cols);
+      } else {
+        decode_f32(p, begin, end, static_cast<float*>(tile) + at_row, n_cols);
+      }
+    });
+  });
+}
+
+at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, const at::Tensor& codes,
+                               const at::Tensor& block_offsets, const at::Tensor& scales, int64_t n_rows,
+                               int64_t n_cols, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& zeros, bool checked) {
+  constexpr const char* kOp = "leap_sparse_cpu::bitmap_q4_i8_linear";
+  TORCH_CHECK(i8_available(), kOp, " needs AVX2 (or AVX-512 with VNNI, VBMI2 and GFNI) and that ISA chosen");
+  const bool avx512 = avx512_i8();
+  check_i8_args(kOp, x, masks, codes, block_offsets, scales, n_rows, n_cols, bias, zeros);
+  const int64_t rows = n_rows, blocks = (rows + kPairRows - 1) / kPairRows;
+  const bool dense = masks.numel() == 0, asym = zeros.has_value() && zeros->numel() > 0;
   at::Tensor y = empty_output(x, rows);
   const int64_t m = y.numel() / std::max<int64_t>(rows, 1);
   if (m == 0 || rows == 0) return y;
@@ -318,33 +458,10 @@ at::Tensor bitmap_q4_i8_linear(const at::Tensor& x, const at::Tensor& masks, con
   }
 
   if (g_prefill_int8.load()) {
-    // Prefill with int8 x: x quantized once, W decoded panel by panel into the int8 kernel's layout.
-    const Int8X xq(m, n_cols, p.groups, x.options());
-    const Q8Rows& q8 = xq.q8;
-    quantize_x_avx512(p.dtype, x2.data_ptr(), x2.stride(0), m, n_cols, n_cols / p.groups, q8);
-    q8_group_starts_avx512(q8, m, n_cols, xq.starts, asym);
-    p.x_values = q8.values;
-    p.x_scales = q8.scales;
-    const int64_t panels = (rows + kPrefillPanelRows - 1) / kPrefillPanelRows;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      q4_pairs_prefill_panels_avx512(p, xq.starts, begin, end);
-    });
-    return y;
+    prefill_int8(p, x2, asym);
+  } else {
+    prefill_tiles(p, x2, bias, y, avx512, grain);
   }
-
-  // Prefill: x as it is against exact tiles (decoded straight to bf16 for bf16 x), whole blocks of rows per tile.
-  const auto decode_bf16 = avx512 ? q4_pairs_decode_blocks_bf16_avx512 : q4_pairs_decode_blocks_bf16_avx2;
-  const auto decode_f32 = avx512 ? q4_pairs_decode_blocks_avx512 : q4_pairs_decode_blocks_avx2;
-  tiled_gemm(x2, bias, rows, kPairRows, y, true, [&](int64_t first, int64_t last, void* tile, bool bf16) {
-    at::parallel_for(first / kPairRows, (last + kPairRows - 1) / kPairRows, grain, [&](int64_t begin, int64_t end) {
-      const int64_t at_row = (begin * kPairRows - first) * n_cols;
-      if (bf16) {
-        decode_bf16(p, begin, end, static_cast<uint16_t*>(tile) + at_row, n_cols);
-      } else {
-        decode_f32(p, begin, end, static_cast<float*>(tile) + at_row, n_cols);
-      }
-    });
-  });
   return y;
 }
 

@@ -17,12 +17,12 @@
 #include <type_traits>
 #include <utility>
 
-#include "bitmap_kernels.h"
+#include "bitmap/kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
 
-#include "kernel_avx512.h"  // compiled for the target above
+#include "common/kernel_avx512.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {

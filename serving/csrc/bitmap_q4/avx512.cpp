@@ -81,18 +81,18 @@
 #include <type_traits>
 #include <utility>
 
-#include "bitmap_q4_kernels.h"
+#include "bitmap_q4/kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vbmi2,avx512bf16,bmi,bmi2,popcnt,fma,f16c")
 
-#include "kernel_avx512.h"  // compiled for the target above
+#include "common/kernel_avx512.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {
 
 constexpr int kChunkMaxM = 8;  // rows of x per chunk
-// Software prefetch distance, as in bitmap_avx512.cpp (where the hardware prefetcher alone left the
+// Software prefetch distance, as in bitmap/avx512.cpp (where the hardware prefetcher alone left the
 // kernel at half the bandwidth): about this many bytes of the three streams together, in whole blocks.
 constexpr int64_t kPrefetchBytes = 8192;
 
@@ -140,7 +140,7 @@ struct Decoder {
   Decoder() : levels(_mm512_load_si512(kLevels)), shifts(_mm512_set1_epi64(static_cast<long long>(kNibbleShifts))) {}
 
   // The word's 32 weights in bf16, without the scale: levels at the set bits, zeros elsewhere. The
-  // expand merges into a freshly zeroed register, not {z}: see expand16 in bitmap_avx512.cpp (on Zen 5
+  // expand merges into a freshly zeroed register, not {z}: see expand16 in bitmap/avx512.cpp (on Zen 5
   // the zero-masking form waits for its destination's previous value, chaining every expand of a row).
   // `table`: kLevels, or the group's kZeroLevels table.
   inline __m512i word(uint32_t mask, const uint8_t* codes, __m512i table) const {
@@ -170,7 +170,7 @@ inline __m512 scale_of(const uint16_t* scales, int64_t g) {
 // Prefetch distances (bytes) per stream for blocks of rows read at once: the same whole number of blocks
 // ahead in each stream (codes, bitmap, scales), so that each row's prefetch lands in the same row of a
 // later block (a distance that is not a whole number of blocks lands in a row a neighbour is reading now;
-// bitmap_avx512.cpp measured half the bandwidth that way).
+// bitmap/avx512.cpp measured half the bandwidth that way).
 struct Distances {
   int64_t codes, bitmap, scales, zeros;
 };
@@ -191,6 +191,78 @@ Distances block_distances(const Q4Problem& p, int64_t row_begin, int64_t row_end
 // instead of the five decoding instructions).
 enum class Source { Decode, DecodeKeep, Kept };
 
+// Where each of a block's R weight rows reads: its codes (advancing word by word), bitmap, scales and (Z) zero
+// points.
+template <int R>
+struct RowStreams {
+  const uint8_t* c[R];
+  const uint8_t* bits[R];
+  const uint16_t* sc[R];
+  const uint8_t* zr[R];
+};
+
+// A block's prefetches at group g's first word w: per row the codes a group (at most 16 bytes a word) span at
+// most two lines for G <= 64; G = 128 prefetches again at its third word (in `block`). The bitmap, scales and
+// zero points once every 16 words.
+template <int R, bool Z>
+LEAP_ALWAYS_INLINE void prefetch_group(const RowStreams<R>& rows, const Distances* ahead, int64_t w, int64_t g,
+                                       int64_t gw) {
+  for (int r = 0; r < R; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(rows.c[r]) + ahead->codes, _MM_HINT_T0);
+    if ((w & 15) < gw) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows.bits[r] + 4 * w) + ahead->bitmap, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows.sc[r] + g) + ahead->scales, _MM_HINT_T0);
+      if constexpr (Z) _mm_prefetch(reinterpret_cast<const char*>(rows.zr[r] + g / 2) + ahead->zeros, _MM_HINT_T0);
+    }
+  }
+}
+
+// Word w of every row of the block as bf16 weights e[r] (`table`: each row's level table for the word's group),
+// from the layout (advancing the rows' code pointers; DecodeKeep also keeps them) or from the kept buffer.
+template <int R, Source S>
+LEAP_ALWAYS_INLINE void block_word(const Decoder& dec, RowStreams<R>& rows, const __m512i (&table)[R], __m512i* kept,
+                                   int64_t words, int64_t w, __m512i (&e)[R]) {
+  for (int r = 0; r < R; ++r) {
+    if constexpr (S == Source::Kept) {
+      e[r] = _mm512_load_si512(kept + r * words + w);
+    } else {
+      const uint32_t mask = mask_word(rows.bits[r], w);
+      e[r] = dec.word(mask, rows.c[r], table[r]);
+      rows.c[r] += code_bytes(mask);
+      if constexpr (S == Source::DecodeKeep) _mm512_store_si512(kept + r * words + w, e[r]);
+    }
+  }
+}
+
+// part[r][m] += row r's word e[r] . row m's 32 columns of x at `x` (rows x_row bytes apart): vdpbf16ps for bf16 x,
+// two fp32 multiply-adds (low columns first) for fp32.
+template <DType D, int M, int R>
+LEAP_ALWAYS_INLINE void dot_word(const char* x, int64_t x_row, const __m512i (&e)[R], __m512 (&part)[R][M]) {
+  for (int m = 0; m < M; ++m) {
+    if constexpr (D == DType::BF16) {
+      const __m512i xv = _mm512_loadu_si512(x + m * x_row);
+      for (int r = 0; r < R; ++r) part[r][m] = _mm512_dpbf16_ps(part[r][m], (__m512bh)e[r], (__m512bh)xv);
+    } else {
+      const __m512 lo = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row));
+      const __m512 hi = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row) + 16);
+      for (int r = 0; r < R; ++r)
+        part[r][m] = _mm512_fmadd_ps(high_ps(e[r]), hi, _mm512_fmadd_ps(low_ps(e[r]), lo, part[r][m]));
+    }
+  }
+}
+
+// y[m0 + m][row .. row + R) = the sums of acc[.][m] plus the bias, in the output dtype D.
+template <DType D, int M, int R>
+LEAP_ALWAYS_INLINE void store_rows(const Q4Problem& p, int64_t row, int64_t m0, const __m512 (&acc)[R][M]) {
+  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
+  for (int m = 0; m < M; ++m) {
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
+    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
+  }
+}
+
 // Output rows row .. row + R (R <= 4) for rows m0 .. m0 + M of x; GW words per group (0: p.group_words,
 // read at run time); Z: the asymmetric grid (p.zeros), which only Decode and DecodeKeep read. Each output is
 // the same sequence of operations whatever R, the chunks or the split of rows between threads: results do
@@ -199,16 +271,13 @@ template <DType D, int M, int R, int GW, Source S, bool Z>
 void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, const Distances* ahead,
            __m512i* kept) {
   const Decoder dec;
-  const uint8_t* c[R];
-  const uint8_t* bits[R];
-  const uint16_t* sc[R];
-  const uint8_t* zr[R];
+  RowStreams<R> rows;
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r) {
-    c[r] = base + p.row_offsets[row + r];
-    bits[r] = p.bitmap + (row + r) * (p.cols / 8);
-    sc[r] = p.scales + (row + r) * p.groups;
-    if constexpr (Z) zr[r] = p.zeros + (row + r) * p.zeros_stride;
+    rows.c[r] = base + p.row_offsets[row + r];
+    rows.bits[r] = p.bitmap + (row + r) * (p.cols / 8);
+    rows.sc[r] = p.scales + (row + r) * p.groups;
+    if constexpr (Z) rows.zr[r] = p.zeros + (row + r) * p.zeros_stride;
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
   const int64_t gw = GW > 0 ? GW : p.group_words, words = p.cols / 32;
@@ -221,66 +290,30 @@ void block(const Q4Problem& p, const uint8_t* base, int64_t row, int64_t m0, con
     __m512 part[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
-    if (S != Source::Kept && ahead != nullptr) {
-      // Per group: the codes of a group (at most 16 bytes a word) span at most two lines for G <= 64;
-      // G = 128 prefetches again at its third word (below). The bitmap and scales once every 16 words.
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(c[r]) + ahead->codes, _MM_HINT_T0);
-        if ((w & 15) < gw) {
-          _mm_prefetch(reinterpret_cast<const char*>(bits[r] + 4 * w) + ahead->bitmap, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(sc[r] + g) + ahead->scales, _MM_HINT_T0);
-          if constexpr (Z) _mm_prefetch(reinterpret_cast<const char*>(zr[r] + g / 2) + ahead->zeros, _MM_HINT_T0);
-        }
-      }
-    }
+    if (S != Source::Kept && ahead != nullptr) prefetch_group<R, Z>(rows, ahead, w, g, gw);
     __m512i table[R];
     for (int r = 0; r < R; ++r) {
       if constexpr (Z && S != Source::Kept) {
-        table[r] = levels_of(zr[r], g);
+        table[r] = levels_of(rows.zr[r], g);
       } else {
         table[r] = dec.levels;
       }
     }
     for (int64_t j = 0; j < gw; ++j, ++w) {
       if (S != Source::Kept && ahead != nullptr && j > 0 && (j & 1) == 0) {
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(c[r]) + ahead->codes, _MM_HINT_T0);
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows.c[r]) + ahead->codes, _MM_HINT_T0);
       }
       __m512i e[R];
-      for (int r = 0; r < R; ++r) {
-        if constexpr (S == Source::Kept) {
-          e[r] = _mm512_load_si512(kept + r * words + w);
-        } else {
-          const uint32_t mask = mask_word(bits[r], w);
-          e[r] = dec.word(mask, c[r], table[r]);
-          c[r] += code_bytes(mask);
-          if constexpr (S == Source::DecodeKeep) _mm512_store_si512(kept + r * words + w, e[r]);
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        if constexpr (D == DType::BF16) {
-          const __m512i xv = _mm512_loadu_si512(x + m * x_row);
-          for (int r = 0; r < R; ++r) part[r][m] = _mm512_dpbf16_ps(part[r][m], (__m512bh)e[r], (__m512bh)xv);
-        } else {
-          const __m512 lo = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row));
-          const __m512 hi = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * x_row) + 16);
-          for (int r = 0; r < R; ++r)
-            part[r][m] = _mm512_fmadd_ps(high_ps(e[r]), hi, _mm512_fmadd_ps(low_ps(e[r]), lo, part[r][m]));
-        }
-      }
+      block_word<R, S>(dec, rows, table, kept, words, w, e);
+      dot_word<D, M, R>(x, x_row, e, part);
       x += x_step;
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 s = scale_of(sc[r], g);
+      const __m512 s = scale_of(rows.sc[r], g);
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
     }
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
-  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
-  for (int m = 0; m < M; ++m) {
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<D>(p.y, (m0 + m) * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
-  }
+  store_rows<D, M, R>(p, row, m0, acc);
 }
 
 // Weight rows per block for M rows of x: two accumulators (group and row) per weight row and row of x,
@@ -431,6 +464,66 @@ inline void zero_tables(const Q4Problem& p, int64_t row, const uint16_t** tables
   }
 }
 
+// Row `row` + r's part of a lean block's start: its scales as fp32 at scales32 + r * p.groups (16 per instruction),
+// and the next block's scales and (Z) zero points prefetched, which it reads before its first word (3% from DRAM).
+template <int R, bool Z>
+LEAP_ALWAYS_INLINE void lean_row_start(const Q4Problem& p, int64_t row, int r, float* scales32,
+                                       const Distances* ahead) {
+  const uint16_t* sc = p.scales + (row + r) * p.groups;
+  int64_t g = 0;
+  for (; g + 16 <= p.groups; g += 16) {
+    _mm512_storeu_ps(scales32 + r * p.groups + g,
+                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g))));
+  }
+  if (g < p.groups) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (p.groups - g)) - 1);
+    _mm512_mask_storeu_ps(scales32 + r * p.groups + g, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, sc + g)));
+  }
+  if (ahead != nullptr && row + R + r < p.rows) {
+    for (int64_t b = 0; b < p.groups * 2; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(sc + R * p.groups) + b, _MM_HINT_T0);
+    }
+  }
+  if constexpr (Z) {
+    const uint8_t* zr = p.zeros + (row + r) * p.zeros_stride;
+    if (ahead != nullptr && row + R + r < p.rows) {
+      for (int64_t b = 0; b < p.zeros_stride; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(zr + R * p.zeros_stride) + b, _MM_HINT_T0);
+      }
+    }
+  }
+}
+
+// One row's word (its mask at `word`, its codes at `c`, advanced past them) as 32 bf16 weights, by `table`: the
+// five vector instructions of the head of this section.
+template <int M>
+LEAP_ALWAYS_INLINE __m512i lean_word(const uint8_t* word, const uint8_t*& c, __m512i table, __m512i shifts,
+                                     __m512i wide_shifts, __mmask64 upper) {
+  uint32_t mask;
+  std::memcpy(&mask, word, 4);
+  __m512i nibbles;
+  if constexpr (M == 1) {
+    // Codes 0..15 and 16..31 each broadcast from memory into the vpmultishiftqb that selects them
+    // (lanes 16..31 by a byte mask): no vpmovzxwq on the expand's pipes (3-4% at M = 1; slower at
+    // M = 2..4, where the extra mask and control registers cost more).
+    asm("vpmultishiftqb %1%{1to8%}, %2, %0"
+        : "=v"(nibbles)
+        : "m"(*reinterpret_cast<const int64_t*>(c)), "v"(wide_shifts));
+    asm("vpmultishiftqb %1%{1to8%}, %2, %0%{%3%}"
+        : "+v"(nibbles)
+        : "m"(*reinterpret_cast<const int64_t*>(c + 8)), "v"(wide_shifts), "Yk"(upper));
+  } else {
+    const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    nibbles = _mm512_multishift_epi64_epi8(shifts, pairs);
+  }
+  __m512i packed = _mm512_permutexvar_epi16(nibbles, table);
+  asm("vpexpandw %0, %0%{%1%}%{z%}"
+      : "+v"(packed)
+      : "Yk"(_load_mask32(reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(word)))));
+  c += kCodeBytes[_mm_popcnt_u32(mask)];
+  return packed;
+}
+
 template <int M, int R, int GW, bool Z>
 void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* scales32, const uint16_t** tables,
                 const Distances* ahead) {
@@ -444,26 +537,7 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
   for (int r = 0; r < R; ++r) {
     c[r] = base + p.row_offsets[row + r];
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    const uint16_t* sc = p.scales + (row + r) * p.groups;
-    int64_t g = 0;
-    for (; g + 16 <= p.groups; g += 16) {
-      _mm512_storeu_ps(scales32 + r * p.groups + g,
-                      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g))));
-    }
-    if (g < p.groups) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (p.groups - g)) - 1);
-      _mm512_mask_storeu_ps(scales32 + r * p.groups + g, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, sc + g)));
-    }
-    // The next block's scales, which it reads before its first word (3% from DRAM).
-    if (ahead != nullptr && row + R + r < p.rows) {
-      for (int64_t b = 0; b < p.groups * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(sc + R * p.groups) + b, _MM_HINT_T0);
-    }
-    if constexpr (Z) {
-      const uint8_t* zr = p.zeros + (row + r) * p.zeros_stride;
-      if (ahead != nullptr && row + R + r < p.rows) {
-        for (int64_t b = 0; b < p.zeros_stride; b += 64) _mm_prefetch(reinterpret_cast<const char*>(zr + R * p.zeros_stride) + b, _MM_HINT_T0);
-      }
-    }
+    lean_row_start<R, Z>(p, row, r, scales32, ahead);
   }
   if constexpr (Z) zero_tables<R>(p, row, tables);
   const uint8_t* bits = p.bitmap + row * row_bytes;  // row r's word w at bits + r * row_bytes + 4 w
@@ -488,35 +562,9 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
     for (int64_t j = 0; j < gw; ++j) {
       __m512i e[R];
       for (int r = 0; r < R; ++r) {
-        const uint8_t* word = bits + r * row_bytes + 4 * (w + j);
-        uint32_t mask;
-        std::memcpy(&mask, word, 4);
-        __m512i nibbles;
-        if constexpr (M == 1) {
-          // Codes 0..15 and 16..31 each broadcast from memory into the vpmultishiftqb that selects them
-          // (lanes 16..31 by a byte mask): no vpmovzxwq on the expand's pipes (3-4% at M = 1; slower at
-          // M = 2..4, where the extra mask and control registers cost more).
-          asm("vpmultishiftqb %1%{1to8%}, %2, %0"
-              : "=v"(nibbles)
-              : "m"(*reinterpret_cast<const int64_t*>(c[r])), "v"(wide_shifts));
-          asm("vpmultishiftqb %1%{1to8%}, %2, %0%{%3%}"
-              : "+v"(nibbles)
-              : "m"(*reinterpret_cast<const int64_t*>(c[r] + 8)), "v"(wide_shifts), "Yk"(upper));
-        } else {
-          const __m512i pairs = _mm512_cvtepu16_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c[r])));
-          nibbles = _mm512_multishift_epi64_epi8(shifts, pairs);
-        }
-        __m512i packed = _mm512_permutexvar_epi16(nibbles, table[r]);
-        asm("vpexpandw %0, %0%{%1%}%{z%}"
-            : "+v"(packed)
-            : "Yk"(_load_mask32(reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(word)))));
-        e[r] = packed;
-        c[r] += kCodeBytes[_mm_popcnt_u32(mask)];
+        e[r] = lean_word<M>(bits + r * row_bytes + 4 * (w + j), c[r], table[r], shifts, wide_shifts, upper);
       }
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(x + m * 64);
-        for (int r = 0; r < R; ++r) part[r][m] = _mm512_dpbf16_ps(part[r][m], (__m512bh)e[r], (__m512bh)xv);
-      }
+      dot_word<DType::BF16, M, R>(x, 64, e, part);
       x += M * 64;
     }
     for (int r = 0; r < R; ++r) {
@@ -524,13 +572,7 @@ void lean_block(const Q4Problem& p, const uint8_t* base, int64_t row, float* sca
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(s, part[r][m], acc[r][m]);
     }
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << R) - 1);
-  const __m128 bias = p.bias == nullptr ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, p.bias + row);
-  for (int m = 0; m < M; ++m) {
-    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < R; ++r) total[r] = acc[r][m];
-    store4<DType::BF16>(p.y, m * p.y_stride + row, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), bias), R);
-  }
+  store_rows<DType::BF16, M, R>(p, row, 0, acc);
 }
 
 template <int M, bool Z>

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <utility>
 
-#include "bitmap_kernels.h"
+#include "bitmap/kernels.h"
 
 namespace leap_sparse {
 namespace {
@@ -44,7 +44,7 @@ constexpr ExpandTables kTables = make_tables();
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,popcnt,bmi,bmi2")
 
-#include "kernel_common.h"  // compiled for the target above
+#include "common/kernel_common.h"  // compiled for the target above
 
 namespace leap_sparse {
 namespace {

@@ -137,6 +137,36 @@ def test_gptq_lm_head_sees_what_the_model_feeds_it_and_beats_rounding_on_it(stor
     assert torch.equal(model.get_input_embeddings().weight, table)  # the embedding kept its values
 
 
+def test_gptq_of_lm_head_in_the_blocks_pass_equals_gptq_after_it(stories260k_dir):
+    """GPTQ of lm_head fed from the end of the blocks' own GPTQ pass (`gptq_scales(lm_head=True)`) gives bit
+    for bit the weights, scales and zero points of GPTQ on a second block-by-block pass over the quantized
+    model (`quantize_lm_head` with the calibration): the same blocks' outputs, computed once, not twice."""
+    from test_serve_cli import magnitude_masks
+
+    from leapctl.grid import ASYMMETRIC
+    from leapctl.masks import MaskSet, apply_masks
+    from leapctl.models import load_model, untie_output_embeddings
+    from leapctl.quantize import LM_HEAD, quantize_lm_head, quantize_weights
+
+    results = {}
+    for one_pass in (True, False):
+        model, _ = load_model(str(stories260k_dir), dtype=torch.float32)
+        ids = torch.randint(0, model.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(1))
+        mask_set = MaskSet({name: mask for name, mask in magnitude_masks(model, 0.5).items()
+                            if mask.shape[1] % 64 == 0})  # down_proj's 172 columns take no group of 64
+        apply_masks(model, mask_set)
+        untie_output_embeddings(model)
+        scales, zeros = quantize_weights(model, mask_set, "gptq", 64, ids, ASYMMETRIC, batch_size=4,
+                                         progress=False, lm_head=one_pass)
+        if not one_pass:
+            assert LM_HEAD not in scales
+            scales[LM_HEAD], zeros[LM_HEAD] = quantize_lm_head(model, 4, 64, ASYMMETRIC, ids, batch_size=4)
+        results[one_pass] = (model.lm_head.weight.detach().clone(), scales[LM_HEAD], zeros[LM_HEAD])
+    for ours, theirs in zip(results[True], results[False], strict=True):
+        assert torch.equal(ours, theirs)
+    assert not torch.equal(results[True][0], load_model(str(stories260k_dir))[0].lm_head.weight)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_scale_tuning_moves_only_scales_and_norms_and_lowers_the_kl(stories260k_dir, autocast):
     """Property: tuning may change a group's scale, never a code or a mask, and it lowers the KL to the dense

@@ -111,15 +111,36 @@ def _batch_slices(block_args: list[tuple], batch_size: int) -> list[slice]:
     return [slice(i * batch_size, (i + 1) * batch_size) for i in range(len(block_args))]
 
 
+def _propagate(block: nn.Module, hidden: torch.Tensor, slices: list[slice], block_args: list[tuple]) -> None:
+    """Replace `hidden` by the block's output, one batch at a time."""
+    for part, (args, kwargs) in zip(slices, block_args, strict=True):
+        hidden[part] = _block_output(block, hidden[part], args, kwargs)
+
+
+def _feed_final_norm(model: nn.Module, layout: ModelLayout, hidden: torch.Tensor, slices: list[slice],
+                     on_batch: Callable[[torch.Tensor], None], compute: torch.device) -> None:
+    """Give `on_batch` the last block's output `hidden` through the final norm: what lm_head receives."""
+    norm = final_norm(model, layout)
+    home = _device_of(norm)
+    norm.to(compute)
+    for part in slices:
+        on_batch(norm(hidden[part]))
+    if home is not None:
+        norm.to(home)
+
+
 @torch.no_grad()
 def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
                        make_pruner: Callable[[nn.Linear], LayerPruner], sparsity: float, method: str,
                        include: str | None = None, exclude: str | None = None,
                        device: str | torch.device | None = None, batch_size: int = 8,
                        in_place: bool = True, progress: bool = True,
-                       layout: ModelLayout | None = None) -> MaskSet:
+                       layout: ModelLayout | None = None,
+                       lm_head_inputs: Callable[[torch.Tensor], None] | None = None) -> MaskSet:
     """Prune every prunable linear block by block, each block calibrated on the pruned blocks' outputs.
     `layout`: the model's layout when the caller has found it (then include/exclude are already in it).
+    `lm_head_inputs`: given, it receives what lm_head gets from the pruned blocks (the last block's output
+    through the final norm), one batch at a time, so that lm_head is calibrated without a second pass.
 
     With `in_place=False` the model keeps its dense weights: each block's original weights come back once
     its pruned outputs have been computed, so the masks are the same but the model is untouched."""
@@ -152,12 +173,13 @@ def prune_sequentially(model: nn.Module, calib_ids: torch.Tensor,
                 for name, pruner in pruners.items():
                     masks[f"{name}.weight"] = pruner.prune(sparsity).cpu()
                 del pruners
-            for part, (args, kwargs) in zip(slices, block_args[index], strict=True):
-                hidden[part] = _block_output(block, hidden[part], args, kwargs)
+            _propagate(block, hidden, slices, block_args[index])
             for name, weight in dense.items():
                 mine[name].weight.copy_(weight)
             block.to(home)
             bar.advance(task)
+    if lm_head_inputs is not None:
+        _feed_final_norm(model, layout, hidden, slices, lm_head_inputs, compute)
     return MaskSet(masks=masks, model=str(getattr(model, "name_or_path", "")),
                    extra={"method": method, "target_sparsity": sparsity})
 
@@ -178,11 +200,12 @@ class _Unchanged:
 def update_under_masks(model: nn.Module, calib_ids: torch.Tensor, mask_set: MaskSet,
                        make_updater: Callable[[nn.Linear, torch.Tensor, str], LayerPruner], method: str,
                        device: str | torch.device | None = None, batch_size: int = 8,
-                       progress: bool = True) -> None:
+                       progress: bool = True,
+                       lm_head_inputs: Callable[[torch.Tensor], None] | None = None) -> None:
     """`prune_sequentially` with the masks given: each linear of `mask_set` gets
     `make_updater(linear, mask, weight_name)` (GPTQ's quantizer, the least-squares refit), whose `prune`
     rewrites the kept weights and returns the mask unchanged; every block is calibrated on what the
-    already-updated blocks produce."""
+    already-updated blocks produce, and `lm_head_inputs` (`prune_sequentially`'s) on what they all do."""
     if calib_ids is None:
         raise LeapctlError(f"{method} needs calibration data")
     names = {id(model.get_submodule(name.removesuffix(".weight"))): name for name in mask_set.masks}
@@ -195,7 +218,7 @@ def update_under_masks(model: nn.Module, calib_ids: torch.Tensor, mask_set: Mask
 
     include = "|".join(re.escape(name.removesuffix(".weight")) + "$" for name in mask_set.masks)
     prune_sequentially(model, calib_ids, make, mask_set.sparsity()["global"], method, include=include,
-                       device=device, batch_size=batch_size, progress=progress)
+                       device=device, batch_size=batch_size, progress=progress, lm_head_inputs=lm_head_inputs)
 
 
 @torch.no_grad()
@@ -203,7 +226,8 @@ def feed_lm_head_inputs(model: nn.Module, calib_ids: torch.Tensor, on_batch: Cal
                         device: str | torch.device | None = None, batch_size: int = 8) -> None:
     """Give `on_batch` what lm_head receives on the calibration windows (the last block's output through the
     final norm), one batch at a time; the model runs block by block on `device`, as the layer-wise methods
-    run it, so it need not fit there whole."""
+    run it, so it need not fit there whole. (`prune_sequentially(lm_head_inputs=...)` gives the same from
+    the pass that updates the blocks.)"""
     compute = resolve_device(device)
     layout = model_layout(model)
     hidden, block_args = capture_block_inputs(model, layout, calib_ids, compute, batch_size)
@@ -211,13 +235,6 @@ def feed_lm_head_inputs(model: nn.Module, calib_ids: torch.Tensor, on_batch: Cal
     for index, block in enumerate(layout.blocks):
         home = _device_of(block)
         block.to(compute)
-        for part, (args, kwargs) in zip(slices, block_args[index], strict=True):
-            hidden[part] = _block_output(block, hidden[part], args, kwargs)
+        _propagate(block, hidden, slices, block_args[index])
         block.to(home)
-    norm = final_norm(model, layout)
-    home = _device_of(norm)
-    norm.to(compute)
-    for part in slices:
-        on_batch(norm(hidden[part]))
-    if home is not None:
-        norm.to(home)
+    _feed_final_norm(model, layout, hidden, slices, on_batch, compute)

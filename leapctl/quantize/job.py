@@ -74,14 +74,15 @@ def quantize_model(model: nn.Module, tokenizer, mask_set: MaskSet, config: Quant
         calibration = {"source": calib, "nsamples": config.nsamples, "seq_len": config.seq_len,
                        "seed": config.seed, "tokens": int(calib_ids.numel()), "act_order": config.act_order}
     started = time.perf_counter()
+    if config.lm_head_bits == 4:  # before the blocks' pass and the tuning, which learns its scales too
+        untie_output_embeddings(model)  # the input embedding keeps its values
     options = {} if config.method == "rtn" else dict(device=config.device, batch_size=config.batch_size,
-                                                       progress=config.progress, act_order=config.act_order)
+                                                       progress=config.progress, act_order=config.act_order,
+                                                       lm_head=config.lm_head_bits == 4)
     scales, zeros = quantize_weights(model, mask_set, config.method, config.group_size, calib_ids,
                                      config.grid, **options)
-    if config.lm_head_bits == 4:  # before tuning, which then learns its scales with the rest
-        untie_output_embeddings(model)  # the input embedding keeps its values
-        scales[LM_HEAD], head_zeros = quantize_lm_head(model, 4, config.group_size, config.grid, calib_ids,
-                                                       config.device, config.batch_size, config.act_order)
+    if config.lm_head_bits == 4 and LM_HEAD not in scales:  # rtn: lm_head rounded to nearest too
+        scales[LM_HEAD], head_zeros = quantize_lm_head(model, 4, config.group_size, config.grid)
         if head_zeros is not None:
             zeros[LM_HEAD] = head_zeros
     seconds = time.perf_counter() - started

@@ -20,19 +20,29 @@ LM_HEAD = "lm_head.weight"
 
 def gptq_scales(model: nn.Module, mask_set: MaskSet, group_size: int, calib_ids: torch.Tensor | None = None,
                 grid: str = SYMMETRIC, device: str | torch.device | None = None, batch_size: int = 8,
-                progress: bool = True, act_order: bool = True) -> Params:
+                progress: bool = True, act_order: bool = True, lm_head: bool = False) -> Params:
     """GPTQ with the masks fixed, block by block (`prune.sequential.update_under_masks`), each block
-    calibrated on what the already-quantized blocks produce; `act_order`: `gptq.gptq_quantize`'s."""
+    calibrated on what the already-quantized blocks produce; `act_order`: `gptq.gptq_quantize`'s.
+    `lm_head`: lm_head too, 4-bit with every weight kept, on what it receives at the end of the same pass
+    (as `quantize_lm_head` with `calib_ids` would, without running the blocks a second time)."""
     from leapctl.prune.sequential import update_under_masks
 
     if calib_ids is None:
         raise LeapctlError("gptq needs calibration data")
     scales: dict[str, torch.Tensor] = {}
     zeros: dict[str, torch.Tensor] = {}
+    head = _head_on_grid(model, 4, group_size) if lm_head else None
+    home = head.weight.device if head is not None else None
+    head_gptq = None if head is None else _lm_head_quantizer(head, group_size, grid, scales, zeros, act_order,
+                                                             device)
     update_under_masks(model, calib_ids, mask_set,
                        lambda linear, mask, name: GPTQQuantizer(linear, mask, group_size, scales, name, grid,
                                                                 zeros, act_order),
-                       "gptq 4-bit", device=device, batch_size=batch_size, progress=progress)
+                       "gptq 4-bit", device=device, batch_size=batch_size, progress=progress,
+                       lm_head_inputs=None if head_gptq is None else head_gptq.add_batch)
+    if head_gptq is not None:
+        head_gptq.prune(0.0)
+        head.to(home)
     return scales, zeros
 
 
@@ -65,38 +75,43 @@ def quantize_lm_head(model: nn.Module, bits: int, group_size: int, grid: str = S
     points or None. 4 bits with `calib_ids`: GPTQ on what lm_head receives from the model as it is (its
     blocks already quantized), else round to nearest. On SmolLM2-135M (dense, untied, asymmetric, groups of
     64) GPTQ's head cost WikiText-2 +3.6% where rounding to nearest cost +11.8%."""
-    head = model.get_output_embeddings()
-    if head is None:
-        raise LeapctlError("--lm-head-bits: the model has no lm_head (use --lm-head-bits 16)")
+    head = _head_on_grid(model, bits, group_size)
     if bits == 8:
         scales = int8_rows.row_scales(head.weight)
         head.weight.copy_(int8_rows.dequantize(int8_rows.quantize_codes(head.weight, scales), scales)
                           .to(head.weight.dtype))
         return scales.cpu(), None
-    if head.weight.shape[1] % group_size:
-        raise LeapctlError(f"--lm-head-bits 4: --group-size {group_size} does not divide the "
-                           f"{head.weight.shape[1]} input columns of lm_head")
-    everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
     if calib_ids is None:
+        everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
         weight, scales, zeros = rtn_quantize(head.weight, everything, group_size, grid)
         head.weight.copy_(weight.to(head.weight.dtype))
         return scales.cpu(), None if zeros is None else zeros.cpu()
-    return _gptq_lm_head(model, head, everything, group_size, grid, calib_ids, device, batch_size, act_order)
-
-
-def _gptq_lm_head(model: nn.Module, head: nn.Linear, everything: torch.Tensor, group_size: int, grid: str,
-                  calib_ids: torch.Tensor, device, batch_size: int,
-                  act_order: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GPTQ of lm_head, every weight kept, on the Hessian of its inputs (`feed_lm_head_inputs`)."""
     from leapctl.prune.sequential import feed_lm_head_inputs
 
     home = head.weight.device
-    head.to(resolve_device(device))
     found: dict[str, torch.Tensor] = {}
     found_zeros: dict[str, torch.Tensor] = {}
-    quantizer = GPTQQuantizer(head, everything.to(head.weight.device), group_size, found, LM_HEAD, grid,
-                              found_zeros, act_order)
+    quantizer = _lm_head_quantizer(head, group_size, grid, found, found_zeros, act_order, device)
     feed_lm_head_inputs(model, calib_ids, quantizer.add_batch, device, batch_size)
     quantizer.prune(0.0)
     head.to(home)
     return found[LM_HEAD], found_zeros.get(LM_HEAD)
+
+
+def _head_on_grid(model: nn.Module, bits: int, group_size: int) -> nn.Linear:
+    """The model's lm_head, checked for the `bits` grid."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise LeapctlError("--lm-head-bits: the model has no lm_head (use --lm-head-bits 16)")
+    if bits == 4 and head.weight.shape[1] % group_size:
+        raise LeapctlError(f"--lm-head-bits 4: --group-size {group_size} does not divide the "
+                           f"{head.weight.shape[1]} input columns of lm_head")
+    return head
+
+
+def _lm_head_quantizer(head: nn.Linear, group_size: int, grid: str, scales: dict, zeros: dict,
+                       act_order: bool, device: str | torch.device | None) -> GPTQQuantizer:
+    """GPTQ's quantizer for lm_head, every weight kept, on `device` (where its inputs will come from)."""
+    head.to(resolve_device(device))
+    everything = torch.ones(head.weight.shape, dtype=torch.bool, device=head.weight.device)
+    return GPTQQuantizer(head, everything, group_size, scales, LM_HEAD, grid, zeros, act_order)

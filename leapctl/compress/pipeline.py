@@ -125,8 +125,11 @@ def _stage_args(stage: str, config: CompressConfig, plan: Plan, source: Path | N
 
 def _has_checkpoint(out: Path, stage: str) -> bool:
     from leapctl.learn.checkpoint import has_checkpoint
+    from leapctl.learn.config import learn_state_dir
+    from leapctl.recover.config import recover_state_dir
 
-    return has_checkpoint(out.with_name(f"{out.name}.{stage}-state"))
+    state_dirs = {LEARN: learn_state_dir, RECOVER: recover_state_dir}  # the stages that checkpoint
+    return stage in state_dirs and has_checkpoint(state_dirs[stage](out))
 
 
 def _run(args: list[str]) -> None:

@@ -67,6 +67,11 @@ NOT_IN_FINGERPRINT = (
 )
 
 
+def learn_state_dir(out: Path) -> Path:
+    """Where an unfinished run into OUT keeps its state: beside OUT."""
+    return out.with_name(f"{out.name}.learn-state")
+
+
 def auto_lr(steps: int) -> float:
     """The `auto` preset's learning rate for a run of `steps` optimizer steps (see the module docstring)."""
     return 0.4 / math.sqrt(steps)
@@ -173,7 +178,7 @@ class LearnConfig:
             return Path(self.checkpoint_dir)
         if self.out is None:
             return None
-        return Path(self.out).with_name(Path(self.out).name + ".learn-state")
+        return learn_state_dir(Path(self.out))
 
     def resolved(self) -> "LearnConfig":
         """A copy with every setting the preset fills made explicit (explicit settings win)."""

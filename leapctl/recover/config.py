@@ -15,6 +15,11 @@ NOT_IN_FINGERPRINT = ("out", "overwrite", "resume", "checkpoint_every", "progres
                       "device")
 
 
+def recover_state_dir(out: Path) -> Path:
+    """Where checkpoints live until the run folder OUT is written: beside it."""
+    return out.with_name(f"{out.name}.recover-state")
+
+
 @dataclass
 class RecoverConfig:
     run: str = setting(help="A run folder from prune, learn or apply-mask (the pruned model and its masks).",
@@ -67,9 +72,7 @@ class RecoverConfig:
             raise LeapctlError("--resume and --overwrite contradict each other: choose one")
 
     def state_dir(self) -> Path:
-        """Where checkpoints live until the run folder is written: beside OUT."""
-        out = Path(self.out)
-        return out.with_name(f"{out.name}.recover-state")
+        return recover_state_dir(Path(self.out))
 
     def learning_rate(self, on_grid: bool) -> float:
         return self.lr if self.lr is not None else GRID_LR if on_grid else LR

@@ -49,10 +49,6 @@ class QuantizeConfig:
                                    "normalisation weight learned by distillation from the dense model, "
                                    "codes and masks fixed (0: none).")
     tune_lr: float = setting(1e-3, "Adam learning rate of the scale tuning (on log-scales; cosine to 0).")
-    tune_code_lr: float = setting(0.0, "Adam learning rate, in grid levels a step, of the kept weights' "
-                                       "codes during the tuning (0: codes fixed): each kept weight's code "
-                                       "learned with the scales in one loop, rounded in the forward and "
-                                       "straight through in the backward; pruned weights stay zero.")
     autocast: bool | None = setting(None, "bf16 autocast of the tuning's matmuls (default: where the device "
                                           "multiplies bf16 in hardware: CUDA, or a CPU with AVX512-BF16 or "
                                           "AMX; master scales and the KL stay fp32).")
@@ -88,7 +84,7 @@ class QuantizeConfig:
             raise LeapctlError(f"unknown --grid {self.grid!r} (choose from {SYMMETRIC}, {ASYMMETRIC})")
         if self.method not in METHODS:
             raise LeapctlError(f"unknown --method {self.method!r} (choose from {', '.join(METHODS)})")
-        if self.tune_steps < 0 or not self.tune_lr > 0 or not self.tune_code_lr >= 0:
-            raise LeapctlError("--tune-steps must be >= 0, --tune-lr > 0 and --tune-code-lr >= 0")
+        if self.tune_steps < 0 or not self.tune_lr > 0:
+            raise LeapctlError("--tune-steps must be >= 0 and --tune-lr > 0")
         if self.nsamples < 1 or self.seq_len < 2 or self.batch_size < 1:
             raise LeapctlError("--nsamples and --batch-size must be >= 1 and --seq-len >= 2")

@@ -88,8 +88,7 @@ def quantize_model(model: nn.Module, tokenizer, mask_set: MaskSet, config: Quant
     seconds = time.perf_counter() - started
     tuning = None
     if config.tune_steps:
-        scales, tuning = _tune(model, tokenizer, tuning_teacher(config, mask_set), scales, zeros, mask_set,
-                               calib, config)
+        scales, tuning = _tune(model, tokenizer, tuning_teacher(config, mask_set), scales, calib, config)
     if config.lm_head_bits == 8:  # after tuning: its 8-bit grid has no scales worth learning
         scales[LM_HEAD], _ = quantize_lm_head(model, 8, config.group_size)
     entry = quantization_entry(config.bits, config.group_size, config.method, config.lm_head_bits,
@@ -97,8 +96,8 @@ def quantize_model(model: nn.Module, tokenizer, mask_set: MaskSet, config: Quant
     return Quantized(scales, zeros, entry, calibration, tuning, seconds)
 
 
-def _tune(model: nn.Module, tokenizer, teacher_spec: str, scales: dict, zeros: dict, mask_set: MaskSet,
-          calib: str, config: QuantizeConfig) -> tuple[dict, dict]:
+def _tune(model: nn.Module, tokenizer, teacher_spec: str, scales: dict, calib: str,
+          config: QuantizeConfig) -> tuple[dict, dict]:
     """The scales after end-to-end tuning against the dense model `teacher_spec` on `calib`'s text, and the
     report's entry."""
     started = time.perf_counter()
@@ -109,11 +108,10 @@ def _tune(model: nn.Module, tokenizer, teacher_spec: str, scales: dict, zeros: d
                                config.seq_len, config.seed, config.text_field)
     result = tune_scales(model.to(device), teacher.to(device), scales, windows, config.tune_steps,
                          config.tune_lr, config.batch_size, config.seed, config.progress, autocast,
-                         config.gradient_checkpointing, config.tune_code_lr, mask_set.masks, zeros)
+                         config.gradient_checkpointing)
     model.cpu()
     last = result.kl[-10:]
     entry = {"source": calib, "steps": config.tune_steps, "lr": config.tune_lr,
-             "code_lr": config.tune_code_lr, "codes_moved": result.codes_moved,
              "batch_size": config.batch_size, "autocast": autocast,
              "gradient_checkpointing": config.gradient_checkpointing, "windows": int(windows.shape[0]),
              "teacher": teacher_spec, "normalisation_weights": result.norms,

@@ -21,7 +21,6 @@ from leapctl.distill import language_model_and_distillation
 from leapctl.models import recompute_blocks_in_backward
 from leapctl.progress import progress_bar
 from leapctl.schedule import cosine_with_warmup
-from sparse_formats.bitmap_q4 import GRID_OFFSET, LEVELS
 
 NORM_LR_FACTOR = 0.1  # normalisation weights are O(1) multipliers: a tenth of the log-scales' step
 
@@ -31,19 +30,13 @@ class TuneResult:
     scales: dict[str, torch.Tensor]  # fp16, per weight name
     kl: list[float]  # KL(teacher || student) per step, before each update
     norms: int  # normalisation tensors tuned alongside
-    codes_moved: int = 0  # kept weights moved to another level (with code_lr > 0)
 
 
 class GroupScaled(nn.Module):
-    """A quantized weight as `levels * exp(log_gain) * scale`, the starting scales fixed and the per-group
-    gain learned. `levels` (code - offset, 0 where pruned) are fixed, or, with `keep` and `offset` (each
-    group's zero point, or 7.5 on the symmetric grid, [rows, groups]) given,
-    come from an fp32 latent code per kept weight (started at its code) rounded to 0..15 in the forward and
-    passed straight through in the backward, so that training can move a kept weight to another level while
-    pruned weights stay exactly zero."""
+    """A quantized weight as `levels * exp(log_gain) * scale`, the levels (code - 7.5, 0 where pruned) and
+    the starting scales fixed: only the per-group gain learns, so masks and codes cannot move."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, keep: torch.Tensor | None = None,
-                 offset: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
         self.group_size = weight.shape[1] // scales.shape[1]
         scale = scales.float().to(weight.device)
@@ -52,37 +45,13 @@ class GroupScaled(nn.Module):
         self.register_buffer("levels", torch.where(weight != 0, weight.float() / safe, torch.zeros(())))
         self.register_buffer("scale", scale)
         self.log_gain = nn.Parameter(torch.zeros_like(scale))
-        self.codes = None
-        if keep is not None:
-            self.register_buffer("keep", keep.to(weight.device))
-            self.register_buffer("offset", offset.float().to(weight.device))
-            codes = torch.round(self.levels + self._spread(self.offset)).clamp_(0, LEVELS - 1)
-            self.codes = nn.Parameter(codes)
-
-    def _spread(self, per_group: torch.Tensor) -> torch.Tensor:
-        """[rows, groups] spread over each group's columns."""
-        return per_group.float().to(self.levels.device).repeat_interleave(self.group_size, dim=1)
 
     def tuned_scales(self) -> torch.Tensor:
         return (self.scale * self.log_gain.exp()).to(torch.float16)
 
-    def current_levels(self) -> torch.Tensor:
-        """The levels the weight has now: the fixed ones, or the latent codes rounded (straight through)."""
-        if self.codes is None:
-            return self.levels
-        rounded = self.codes + (self.codes.round().clamp(0, LEVELS - 1) - self.codes).detach()
-        levels = rounded - self._spread(self.offset)
-        return torch.where(self.keep, levels, torch.zeros((), device=levels.device))
-
-    def moved(self) -> int:
-        """How many kept weights the training moved to another level."""
-        if self.codes is None:
-            return 0
-        return int(((self.current_levels() - self.levels).abs() > 0.5).sum())
-
     def weight(self, scales: torch.Tensor) -> torch.Tensor:
         """The levels times `scales` [rows, groups], spread over each group's columns."""
-        return self.current_levels() * self._spread(scales)
+        return self.levels * scales.float().to(self.levels.device).repeat_interleave(self.group_size, dim=1)
 
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
         return self.weight(self.scale * self.log_gain.exp())
@@ -102,25 +71,20 @@ def _sharing_modules(model: nn.Module, module: nn.Module) -> list[nn.Module]:
 
 def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Tensor],
                 calib_ids: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int = 0,
-                progress: bool = True, autocast: bool = False, checkpointing: bool = False,
-                code_lr: float = 0.0, masks: dict[str, torch.Tensor] | None = None,
-                zeros: dict[str, torch.Tensor] | None = None) -> TuneResult:
+                progress: bool = True, autocast: bool = False, checkpointing: bool = False) -> TuneResult:
     """Learn `scales` (fp16 per weight name, lm_head's included) and the normalisation weights of `model`
     (fp32, kept weights on the grid) in place, from `teacher`'s logits on random batches of the calibration
     windows `calib_ids` [n, seq_len]. A weight tied to another module (lm_head and the input embedding) gets
     one parametrization on both, so the tie holds while tuning and after. `autocast`: both models' matmuls
     in bf16 (the scales, their gradients and the KL stay fp32). `checkpointing`: each decoder block recomputed
     in the backward instead of holding its activations (a model whose Hugging Face class supports it), as
-    `learn` does. `code_lr` > 0: the kept weights' codes learn too (`GroupScaled`, Adam at `code_lr` grid
-    levels a step; `masks` names each layer's kept weights, every weight of a layer it does not name is
-    kept; `zeros`: the asymmetric grid's zero points), so the weights and their scales are trained on the
-    grid in one loop. Returns the new fp16 scales."""
+    `learn` does. Returns the new fp16 scales."""
     owners = {name: _sharing_modules(model, model.get_submodule(name.removesuffix(".weight")))
               for name in scales}
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    grouped = {name: _grouped(modules[0].weight.detach(), scales[name], code_lr, masks or {}, zeros or {},
-                              name) for name, modules in owners.items()}
+    grouped = {name: GroupScaled(modules[0].weight.detach(), scales[name])
+               for name, modules in owners.items()}
     for name, modules in owners.items():
         for module in modules:
             parametrize.register_parametrization(module, "weight", grouped[name])
@@ -128,9 +92,7 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
     norms = normalisation_weights(model)
     for parameter in (*gains, *norms):
         parameter.requires_grad_(True)
-    codes = [g.codes for g in grouped.values() if g.codes is not None]
-    groups = [{"params": gains, "lr": lr}, {"params": norms, "lr": lr * NORM_LR_FACTOR}]
-    optimizer = torch.optim.Adam(groups + ([{"params": codes, "lr": code_lr}] if codes else []))
+    optimizer = torch.optim.Adam([{"params": gains, "lr": lr}, {"params": norms, "lr": lr * NORM_LR_FACTOR}])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(0, steps))
     teacher.eval()
     checkpointed = recompute_blocks_in_backward(model) if checkpointing else []
@@ -158,7 +120,6 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
     if checkpointing:
         model.gradient_checkpointing_disable()
     new_scales = dict(scales)
-    moved = sum(g.moved() for g in grouped.values())
     with torch.no_grad():
         for name, modules in owners.items():
             new_scales[name] = grouped[name].tuned_scales().cpu()
@@ -168,18 +129,7 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
             modules[0].weight.copy_(weight)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    return TuneResult(scales=new_scales, kl=history, norms=len(norms), codes_moved=moved)
-
-
-def _grouped(weight: torch.Tensor, scales: torch.Tensor, code_lr: float, masks: dict[str, torch.Tensor],
-             zeros: dict[str, torch.Tensor], name: str) -> GroupScaled:
-    """`name`'s parametrization: its codes fixed, or learnable with `code_lr` > 0."""
-    if not code_lr:
-        return GroupScaled(weight, scales)
-    keep = masks.get(name)
-    keep = torch.ones(weight.shape, dtype=torch.bool) if keep is None else keep.bool()
-    offset = zeros[name] if name in zeros else torch.full(scales.shape, GRID_OFFSET)
-    return GroupScaled(weight, scales, keep, offset)
+    return TuneResult(scales=new_scales, kl=history, norms=len(norms))
 
 
 __all__ = ["TuneResult", "tune_scales"]

@@ -265,20 +265,13 @@ void decode_rows(const Problem& p, Values values, int64_t row_begin, int64_t row
 }  // namespace
 
 void gemm_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, v, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, v, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, v, row_begin, row_end);
-  }
+  by_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, v, row_begin, row_end); });
 }
 
 void decode_rows_avx2(const Problem& p, Values v, int64_t row_begin, int64_t row_end, void* out,
                       int64_t out_stride) {
-  switch (p.dtype) {
-    case DType::BF16:
-    case DType::F16: return decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);
-    case DType::F32: return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
-  }
+  if (p.dtype == DType::F32) return decode_rows<DType::F32>(p, v, row_begin, row_end, out, out_stride);
+  decode_rows<DType::BF16>(p, v, row_begin, row_end, out, out_stride);  // fp16 values too: 16-bit moves
 }
 
 // x [m, cols] (rows x_row_stride elements apart, in dtype) widened to fp32 rows of out_stride, zero past

@@ -168,11 +168,7 @@ void decode_rows(const Q4Problem& p, Codes codes, int64_t row_begin, int64_t row
 }  // namespace
 
 void q4_gemm_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end) {
-  switch (p.dtype) {
-    case DType::BF16: return gemm_rows<DType::BF16>(p, c, row_begin, row_end);
-    case DType::F16: return gemm_rows<DType::F16>(p, c, row_begin, row_end);
-    case DType::F32: return gemm_rows<DType::F32>(p, c, row_begin, row_end);
-  }
+  by_dtype(p.dtype, [&](auto d) { gemm_rows<decltype(d)::value>(p, c, row_begin, row_end); });
 }
 
 void q4_decode_rows_avx2(const Q4Problem& p, Codes c, int64_t row_begin, int64_t row_end, float* out,

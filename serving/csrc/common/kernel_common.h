@@ -10,6 +10,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "common/types.h"
 
@@ -86,6 +88,29 @@ template <>
 struct Traits<DType::F32> {
   using Value = float;
 };
+
+// f(std::integral_constant<DType, D>{}) for the run-time `dtype`: a kernel's entry point instantiates its
+// template once per dtype in one line, `by_dtype(p.dtype, [&](auto d) { kernel<decltype(d)::value>(...); })`.
+template <typename F>
+inline void by_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::BF16: return f(std::integral_constant<DType, DType::BF16>{});
+    case DType::F16: return f(std::integral_constant<DType, DType::F16>{});
+    case DType::F32: return f(std::integral_constant<DType, DType::F32>{});
+  }
+}
+
+template <typename F, int... Ms>
+inline void by_m(int64_t m, F&& f, std::integer_sequence<int, Ms...>) {
+  static_cast<void>(((m == Ms + 1 && (f(std::integral_constant<int, Ms + 1>{}), true)) || ...));
+}
+
+// f(std::integral_constant<int, m>{}) for the run-time row count m in 1..N of x: a kernel unrolled over
+// its rows of x, instantiated for each count in one line.
+template <int N, typename F>
+inline void by_m(int64_t m, F&& f) {
+  by_m(m, std::forward<F>(f), std::make_integer_sequence<int, N>{});
+}
 
 }  // namespace
 }  // namespace leap_sparse

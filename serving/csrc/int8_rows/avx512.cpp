@@ -79,10 +79,7 @@ void rows_range(const Int8RowsProblem& p, int64_t begin, int64_t end) {
 }  // namespace
 
 void int8_rows_gemm_avx512(const Int8RowsProblem& p, int64_t row_begin, int64_t row_end) {
-  using Fn = void (*)(const Int8RowsProblem&, int64_t, int64_t);
-  static constexpr Fn kByM[kInt8RowsMaxM] = {&rows_range<1>, &rows_range<2>, &rows_range<3>, &rows_range<4>,
-                                             &rows_range<5>, &rows_range<6>, &rows_range<7>, &rows_range<8>};
-  kByM[p.m - 1](p, row_begin, row_end);
+  by_m<kInt8RowsMaxM>(p.m, [&](auto m) { rows_range<decltype(m)::value>(p, row_begin, row_end); });
 }
 
 }  // namespace leap_sparse

@@ -65,3 +65,21 @@ def test_leap_overrides_read_literals_and_reject_unknown_fields(quality):
     for bad in ("stpes=720", "steps"):
         with pytest.raises(SystemExit):
             quality._leap_override(bad)
+
+
+def test_layer_rows_partition_the_block_linears_by_kind_and_by_depth(stories260k_dir):
+    """`bench.quality layers` gives weights back by kind and by thirds of the blocks: each family of rows must
+    cover every decoder linear exactly once, or a share of the 4-bit cost would be counted twice or lost."""
+    from bench.quality.layers import LM_HEAD, linear_weights, variant_names
+    from leapctl.models import load_model
+
+    model, _ = load_model(str(stories260k_dir))
+    rows = variant_names(model)
+    every = rows.pop("every block linear 16-bit")
+    assert sorted(every) == sorted(linear_weights(model)) and len(every) == 7 * model.config.num_hidden_layers
+    assert rows.pop("lm_head 16-bit") == [LM_HEAD]
+    kinds = [names for label, names in rows.items() if not label.startswith("blocks")]
+    thirds = [names for label, names in rows.items() if label.startswith("blocks")]
+    assert len(kinds) == 7 and len(thirds) == 3
+    for family in (kinds, thirds):
+        assert sorted(name for names in family for name in names) == sorted(every)

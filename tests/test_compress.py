@@ -46,6 +46,7 @@ def test_compress_runs_every_stage_and_its_folder_exports_and_validates(compress
     assert summary["plan"]["recover_steps"] == 48 - MIN_TUNE_STEPS
     report = json.loads((out / "report.json").read_text())
     assert report["command"] == "quantize" and report["source"]["command"] == "recover"
+    assert report["tuning"]["teacher"] == str(out.with_name("model.compress-state") / "recover")  # not dense
     assert report["quantization"]["lm_head_bits"] == CompressConfig.lm_head_bits == 4  # GPTQ'd, untied
     assert not json.loads((out / "config.json").read_text())["tie_word_embeddings"]
     assert summary["bytes_per_weight"]["per_weight"] > 0

@@ -20,8 +20,8 @@ from rich.console import Console
 console = Console()
 MODEL = "smollm2-135m"
 # compress's budget in minutes, planned against a step measured here (bf16 where the CPU multiplies it, fp32
-# where it does not): with export, validation and the server's start the demo took 14 minutes on 2 quiet Zen 5
-# cores (bench/results/compress), within the 20 it is meant for
+# where it does not): with export, validation and the server's start the demo took 14-17 minutes on 2 quiet
+# Zen 5 cores (bench/results/compress), within the 20 it is meant for
 BUDGET = "15"
 
 

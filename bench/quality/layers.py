@@ -22,36 +22,31 @@ from torch import nn
 from bench.harness import RESULTS as BENCH_RESULTS
 from bench.quality.head import eval_texts
 from leapctl.eval import perplexity
-from leapctl.models import decoder_blocks, load_model
+from leapctl.models import load_model, model_layout
+from leapctl.quantize import LM_HEAD
 
 RESULTS = BENCH_RESULTS / "quality"
-LM_HEAD = "lm_head.weight"
 THIRDS = 3
 
 
 def linear_weights(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Name -> weight of every nn.Linear inside the decoder blocks."""
-    return {f"{name}.weight": module.weight for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and ".layers." in f".{name}"}
+    """Name -> weight of every linear inside the decoder blocks (`model_layout`'s), in model order."""
+    return {f"{name}.weight": linear.weight for name, linear in model_layout(model).linears.items()}
 
 
 def variant_names(model: nn.Module) -> dict[str, list[str]]:
     """Row label -> the weight names given back their 16-bit values in that row."""
+    layout = model_layout(model)
     linears = list(linear_weights(model))
     kinds = dict.fromkeys(name.split(".")[-2] for name in linears)  # in the model's order
-    blocks = len(decoder_blocks(model))
+    blocks = len(layout.blocks)
     rows = {f"{kind} 16-bit": [n for n in linears if n.split(".")[-2] == kind] for kind in kinds}
     rows["lm_head 16-bit"] = [LM_HEAD]
     for third in range(THIRDS):
         first, last = third * blocks // THIRDS, (third + 1) * blocks // THIRDS - 1
-        rows[f"blocks {first}-{last} 16-bit"] = [n for n in linears if first <= _block(n) <= last]
+        rows[f"blocks {first}-{last} 16-bit"] = [n for n in linears if first <= layout.block_index(n) <= last]
     rows["every block linear 16-bit"] = linears
     return rows
-
-
-def _block(name: str) -> int:
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
 
 
 def main(argv: list[str] | None = None) -> None:

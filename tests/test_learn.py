@@ -88,6 +88,48 @@ def test_masked_linear_without_norm_tracking_gives_the_lm_gradient_alone():
     torch.testing.assert_close(grad_logits, logits.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_masked_linear_trains_the_weight_with_the_task_gradient_of_plain_autograd():
+    """Weights learned with the mask: W gets autograd's gradient of the task term through W * M, and none
+    of the magnitude term (a mask regulariser that would only grow W); the logits' gradient is unchanged."""
+    torch.manual_seed(0)
+    x, bias = torch.randn(2, 7, 16), torch.randn(8)
+    weight = torch.randn(8, 16).requires_grad_(True)
+    logits = (torch.randn(8, 16) * 0.05).requires_grad_(True)
+    upstream, c_sum, c_norm = torch.randn(2, 7, 8), 0.3, -0.7
+    y, s, n = MaskedLinearFunction.apply(x, weight, bias, logits, 25.0, 4.0, 11, torch.float32, True)
+    ((y * upstream).sum() + c_sum * s + c_norm * n).backward()
+    grad_weight, grad_logits = weight.grad.clone(), logits.grad.clone()
+
+    noise = logistic_noise(logits.shape, 11, logits.device)
+    reference_weight = weight.detach().clone().requires_grad_(True)
+    y_ref, _, _ = _reference(x, reference_weight, bias, logits.detach(), 25.0, 4.0, noise)
+    (y_ref * upstream).sum().backward()
+    torch.testing.assert_close(grad_weight, reference_weight.grad, rtol=1e-5, atol=1e-6)
+
+    frozen_logits = logits.detach().clone().requires_grad_(True)  # the same call with W frozen
+    y2, s2, n2 = MaskedLinearFunction.apply(x, weight.detach(), bias, frozen_logits, 25.0, 4.0, 11,
+                                            torch.float32, True)
+    ((y2 * upstream).sum() + c_sum * s2 + c_norm * n2).backward()
+    torch.testing.assert_close(grad_logits, frozen_logits.grad, rtol=0, atol=0)
+
+
+def test_trained_masked_linear_keeps_the_dense_weight_for_the_teacher():
+    """With the weights learned, the teacher's forward (masks off) still computes the dense layer as it
+    came, not the trained weight."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 8)
+    dense = linear.weight.detach().clone()
+    state = MaskState(train_weights=True, dense_teacher=True)
+    layer = attach_masks(torch.nn.Sequential(linear), {"0": linear},
+                         {"0.weight": torch.zeros(8, 16)}, state)["0"]
+    assert layer.weight.requires_grad and not layer.dense_weight.requires_grad
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    x = torch.randn(3, 16)
+    state.enabled = False
+    torch.testing.assert_close(layer(x), x @ dense.t() + linear.bias, rtol=0, atol=0)
+
+
 def test_masked_linear_keeps_no_full_size_copy_for_backward():
     """Only x, W and P are saved for the backward: any weight-sized saved tensor must be W or P itself."""
     weight, logits = torch.randn(32, 48), torch.zeros(32, 48, requires_grad=True)
@@ -341,6 +383,30 @@ def test_learn_writes_a_prune_style_run_with_exact_density(stories260k_dir, cali
     assert not result.state_dir.exists()
 
 
+def test_learn_with_weight_lr_trains_the_kept_weights_and_prunes_exactly(stories260k_dir, calib_file,
+                                                                          tmp_path):  # fmt: skip
+    """--weight-lr: the mask and the weights learned in one loop. The density is exact, every pruned weight
+    is +0.0, the kept ones moved away from the dense model's, nothing outside the masked linears changed,
+    and the first step's KL is the frozen run's (same windows and noise, teacher = the dense model)."""
+    from safetensors.torch import load_file
+
+    frozen, joint = tmp_path / "frozen", tmp_path / "joint"
+    learn_masks(_config(stories260k_dir, calib_file, frozen))
+    learn_masks(_config(stories260k_dir, calib_file, joint, weight_lr=0.01))
+    masks = load_masks(joint / MASKS_FILE).masks
+    total = sum(m.numel() for m in masks.values())
+    assert sum(int(m.sum()) for m in masks.values()) == round(0.5 * total)
+    saved, dense = load_file(joint / "model.safetensors"), load_file(stories260k_dir / "model.safetensors")
+    for name, keep in masks.items():
+        pruned = saved[name][~keep]
+        assert torch.equal(pruned, torch.zeros_like(pruned)) and not torch.signbit(pruned).any(), name
+        assert not torch.equal(saved[name][keep], dense[name][keep]), name
+    assert all(torch.equal(saved[name], dense[name]) for name in saved if name not in masks)
+    first = [json.loads((run / "metrics.jsonl").read_text().splitlines()[0]) for run in (frozen, joint)]
+    assert first[0]["kl"] == first[1]["kl"] and first[0]["lm_loss"] == first[1]["lm_loss"]
+    assert json.loads((joint / "report.json").read_text())["settings"]["weight_lr"] == 0.01
+
+
 def test_learn_with_bits_learns_against_weights_on_the_4_bit_grid(stories260k_dir, calib_file, tmp_path):
     """--bits 4: the frozen weights rounded to the grid (groups of 64; down_proj's 172 columns fit none and
     are left out) before the masks are learned, so that the run's kept weights sit exactly on the grid its
@@ -479,6 +545,10 @@ def test_learn_cli_bad_input_is_one_line_exit_2_and_writes_nothing(stories260k_d
         ({"steps": 0}, "--steps must be at least 1"),
         ({"batch_size": 6, "micro_batch_size": 4}, "--micro-batch-size 4 must divide"),
         ({"init": "zeros"}, "--init must be one of"),
+        ({"weight_lr": -1e-3}, "--weight-lr must be a finite number >= 0"),
+        ({"weight_lr": 1e-3, "dtype": "bfloat16"}, "they need --dtype float32"),
+        ({"weight_lr": 1e-3, "bits": 4}, "--weight-lr would move the weights off the --bits grid"),
+        ({"weight_lr": 1e-3, "reconstruct": True}, "--reconstruct would refit them"),
     ],
 )
 def test_bad_settings_are_refused_before_any_work(tmp_path, overrides, expected):

@@ -102,6 +102,7 @@ def _planned(model, config: LearnConfig, world: int = 1) -> int:
     ((256, 768, 4, 8192), dict(seq_len=128, batch_size=4, micro_batch_size=2)),  # distillation
     ((256, 768, 4, 8192), dict(seq_len=128, batch_size=4, micro_batch_size=2, distill=0.0)),
     ((256, 768, 4, 8192), dict(seq_len=128, batch_size=4, micro_batch_size=2, dtype="bfloat16")),
+    ((256, 768, 4, 8192), dict(seq_len=128, batch_size=4, micro_batch_size=2, weight_lr=1e-3)),  # + weights
     ((512, 1536, 6, 2048), dict(seq_len=64, batch_size=4, micro_batch_size=2, distill=0.0)),
 ])
 def test_plan_is_within_20_percent_of_the_measured_peak(shape, settings):

@@ -226,3 +226,58 @@ def test_fsdp2_sigkill_then_resume_matches_an_uninterrupted_fsdp2_run_bit_for_bi
                              timeout=600)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_same_run(fsdp_uninterrupted, out)
+
+
+# ---------------------------------------------------------------- the weights learned with the mask
+
+WEIGHT_LR = "0.01"  # large enough that ten steps move every kept weight well past float32 rounding
+
+
+@pytest.fixture(scope="module")
+def weights_uninterrupted(tmp_path_factory, stories260k_dir, calib) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "weights"
+    _learn(*_args(stories260k_dir, calib, out), "--weight-lr", WEIGHT_LR)
+    return out
+
+
+def test_weights_learned_with_the_mask_resume_after_sigkill_bit_for_bit(
+    stories260k_dir, calib, weights_uninterrupted, tmp_path
+):
+    """The checkpoint holds the trained weights and their AdamW moments beside the logits: the resumed run
+    ends with the same weights, logits and masks as the uninterrupted one."""
+    out = tmp_path / "killed"
+    args = [*_args(stories260k_dir, calib, out), "--weight-lr", WEIGHT_LR]
+    state = Path(f"{out}.learn-state")
+    proc = _start_and_stop_after_checkpoint(_learn_command(*args), state, subprocess.Popen.kill)
+    assert proc.returncode == -signal.SIGKILL
+    assert 2 <= json.loads((state / "checkpoint.json").read_text())["step"] < 10
+    _learn(*args, "--resume")
+    _assert_same_run(weights_uninterrupted, out)
+    whole = load_file(weights_uninterrupted / "model.safetensors")
+    resumed = load_file(out / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[n], resumed[n]) for n in whole)
+
+
+def test_fsdp2_writes_the_weights_learned_with_the_mask(
+    stories260k_dir, calib, weights_uninterrupted, tmp_path
+):
+    """Under FSDP2 rank 0 prunes a fresh copy of the model: the trained weights, gathered from the shards,
+    must reach it. Two processes sum in another order (see the test above), so the kept weights agree with
+    one process's to far less than the training moved them; a fresh copy without them would be as far
+    from one process's weights as the dense model is."""
+    out = tmp_path / "fsdp"
+    proc = subprocess.run(_torchrun(*_args(stories260k_dir, calib, out), "--fsdp", "--weight-lr", WEIGHT_LR),
+                          env=ENV, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = load_file(weights_uninterrupted / "model.safetensors")
+    fsdp = load_file(out / "model.safetensors")
+    dense = load_file(stories260k_dir / "model.safetensors")
+    masks_single = load_masks(weights_uninterrupted / MASKS_FILE).masks
+    masks_fsdp = load_masks(out / MASKS_FILE).masks
+    apart, moved = [], []
+    for name, keep in masks_single.items():
+        both = keep & masks_fsdp[name]
+        apart.append((fsdp[name][both] - single[name][both]).abs())
+        moved.append((single[name][both] - dense[name][both]).abs())
+        assert torch.equal(fsdp[name][~masks_fsdp[name]], torch.zeros_like(fsdp[name][~masks_fsdp[name]]))
+    assert torch.cat(apart).mean() < 0.1 * torch.cat(moved).mean()

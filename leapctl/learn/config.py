@@ -104,6 +104,11 @@ class LearnConfig:
     beta1: float = setting(0.9, "AdamW beta1.")
     beta2: float = setting(0.95, "AdamW beta2.")
     weight_decay: float = setting(0.0, "AdamW weight decay of the logits.")
+    weight_lr: float = setting(0.0, "Learn the masked linears' weights with the mask, in the same loop, at "
+                                    "this peak AdamW learning rate (same warm-up and cosine, no weight "
+                                    "decay; the teacher keeps a frozen dense copy). 0: the weights stay "
+                                    "frozen, as in the paper. Needs --dtype float32, no --bits, no "
+                                    "--reconstruct.")
     alpha_start: float = setting(25.0, "Logit scale alpha at the first step.")
     alpha_end: float | None = setting(None, "Logit scale alpha at the last step (default: preset).")
     tau_start: float = setting(4.0, "Temperature tau at the first step.")
@@ -262,6 +267,17 @@ class LearnConfig:
             raise LeapctlError(f"--nsamples must be at least 1, got {self.nsamples}")
         if self.report_windows < 0:
             raise LeapctlError(f"--report-windows must be >= 0, got {self.report_windows}")
+        if not (math.isfinite(self.weight_lr) and self.weight_lr >= 0):
+            raise LeapctlError(f"--weight-lr must be a finite number >= 0, got {self.weight_lr}")
+        if self.weight_lr:
+            if self.dtype != "float32":
+                raise LeapctlError("--weight-lr trains the weights: they need --dtype float32 (bf16 drops "
+                                   "updates below 1/256 of a weight)")
+            if self.bits is not None:
+                raise LeapctlError("--weight-lr would move the weights off the --bits grid: choose one")
+            if self.resolved().reconstruct:
+                raise LeapctlError("--weight-lr trains the kept weights; --reconstruct would refit them "
+                                   "afterwards (pass --no-reconstruct)")
         if self.bits is not None:
             from leapctl.grid import SUPPORTED_BITS
 

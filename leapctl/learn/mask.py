@@ -1,7 +1,9 @@
 """The learnable mask: one logit per prunable weight, relaxed with the Gumbel-sigmoid.
 
-`M = sigmoid((alpha * P + g) / tau)` with g logistic noise while training. The weight W stays frozen;
-only P is trained. `MaskedLinear` applies the mask inside the forward through `MaskedLinearFunction`,
+`M = sigmoid((alpha * P + g) / tau)` with g logistic noise while training. The weight W stays frozen and
+only P is trained, unless the weights are learned with the mask (`MaskState.train_weights`, `learn
+--weight-lr`): then W gets the gradient of W * M too, and a frozen copy of the dense W stays beside it for
+the distillation teacher. `MaskedLinear` applies the mask inside the forward through `MaskedLinearFunction`,
 which keeps only x, W and P for the backward and recomputes M (and W*M) there, so no full-size copy
 of W, M or the noise outlives one layer's forward or backward.
 
@@ -94,7 +96,10 @@ class MaskedLinearFunction(torch.autograd.Function):
     latter only with `track_norm`; without the magnitude term it is a constant 0 and costs nothing).
 
     Saves only references to x, W and P; the backward recomputes M from the same seed. Gradients flow
-    to P only (W and b are frozen). Matmuls run in `compute_dtype` (bf16 under autocast), M in fp32."""
+    to P, and to W when it requires them (the weights learned with the mask): the task's gradient of W * M
+    times M. The magnitude term is the mask's regulariser, not the weights': it rewards a larger ||W * M||,
+    which would only grow W, so W gets none of it. b is frozen. Matmuls run in `compute_dtype` (bf16 under
+    autocast), M in fp32."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, logits, alpha, tau, seed, compute_dtype, track_norm):
@@ -128,6 +133,9 @@ class MaskedLinearFunction(torch.autograd.Function):
             grad_masked = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.to(ctx.compute_dtype).reshape(
                 -1, x.shape[-1]
             )
+            grad_weight = None
+            if ctx.needs_input_grad[1]:  # before grad_masked is scaled in place below (fp32: the same tensor)
+                grad_weight = (grad_masked.float() * mask).to(weight.dtype)
             grad_mask = grad_masked.float().mul_(w)
             if grad_mask_sum is not None:
                 grad_mask += grad_mask_sum
@@ -135,7 +143,7 @@ class MaskedLinearFunction(torch.autograd.Function):
                 grad_mask += (2.0 * grad_norm_sq) * mask * w.square()
             # dM/dP = (alpha / tau) * M * (1 - M)
             grad_logits = grad_mask.mul_(mask).mul_(1.0 - mask).mul_(ctx.alpha / ctx.tau).to(logits.dtype)
-        return grad_x, None, None, grad_logits, None, None, None, None, None
+        return grad_x, grad_weight, None, grad_logits, None, None, None, None, None
 
 
 @dataclass
@@ -152,6 +160,8 @@ class MaskState:
     enabled: bool = True  # False: the plain dense layers (the distillation teacher's forward)
     compute_dtype: torch.dtype = torch.float32
     track_norms: bool = True  # record ||W * M||_F^2 (the magnitude term needs it)
+    train_weights: bool = False  # W is trained with the logits (read when the layers are attached)
+    dense_teacher: bool = False  # with train_weights: keep the dense W frozen for the teacher's forward
     recording: bool = False
     mask_sums: list = field(default_factory=list)
     masked_norms_sq: list = field(default_factory=list)
@@ -164,14 +174,19 @@ class MaskState:
 
 
 class MaskedLinear(nn.Module):
-    """Drop-in replacement of a prunable `nn.Linear`: same frozen weight and bias, plus `mask_logits`."""
+    """Drop-in replacement of a prunable `nn.Linear`: same weight and bias, plus `mask_logits`. The weight
+    is frozen, or trained when `state.train_weights`; then, with `state.dense_teacher`, `dense_weight` is a
+    frozen copy of it as it came (a parameter, so FSDP2 shards it with the block) for the teacher."""
 
     def __init__(self, linear: nn.Linear, logits: torch.Tensor, state: MaskState, layer_index: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.weight.requires_grad_(False)
+        self.weight.requires_grad_(state.train_weights)
+        self.dense_weight = None
+        if state.train_weights and state.dense_teacher:
+            self.dense_weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.mask_logits = nn.Parameter(logits)
@@ -181,7 +196,8 @@ class MaskedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.state
         if not s.enabled:
-            return nn.functional.linear(x, self.weight, self.bias)
+            dense = self.dense_weight if self.dense_weight is not None else self.weight
+            return nn.functional.linear(x, dense, self.bias)
         seed = noise_seed(s.run_seed, s.step, s.micro_batch, self.layer_index) if s.noisy else None
         y, mask_sum, norm_sq = MaskedLinearFunction.apply(
             x, self.weight, self.bias, self.mask_logits, s.alpha, s.tau, seed, s.compute_dtype, s.track_norms
@@ -216,6 +232,7 @@ def detach_masks(model: nn.Module, masked: dict[str, MaskedLinear]) -> None:
     for name, layer in masked.items():
         linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
         linear.weight = layer.weight
+        linear.weight.requires_grad_(False)
         if layer.bias is not None:
             linear.bias = layer.bias
         _set_submodule(model, name, linear)

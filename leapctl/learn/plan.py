@@ -6,7 +6,8 @@ machine without the GPUs.
 Per device (one process), for the configuration given:
 - resident for the whole run: the frozen weights (`--dtype`), the mask logits, their gradients and AdamW's
   two moments (`--logits-dtype`); divided by the processes under FSDP2, whole on every process under DDP
-  (which also keeps a bucketed copy of the gradients);
+  (which also keeps a bucketed copy of the gradients); with `--weight-lr` the masked weights' gradients and
+  AdamW moments too (float32), and the teacher's frozen copy of them when distilling;
 - FSDP2's unsharded parameters: two blocks in flight (the running one and the prefetched one), the running
   block's unsharded logit gradients before their reduce-scatter, and the root's parameters (embeddings,
   lm_head), which FSDP2 keeps unsharded from the forward to the backward;
@@ -68,6 +69,7 @@ class Setup:
     checkpointing: bool
     wanda: bool  # rank 0 computes the initial mask (calibration hidden states on the device)
     calib_tokens: int  # nsamples x sequence length
+    train_weights: bool = False  # --weight-lr: the masked weights learned with the logits
 
     @property
     def shards(self) -> int:
@@ -161,6 +163,14 @@ def estimate(sizes: ModelSizes, setup: Setup) -> tuple[list, list, list]:
          sizes.masked * bl // s * (2 if setup.ddp else 1)),
         (f"AdamW moments{share}", 2 * sizes.masked * bl // s),
     ]
+    if setup.train_weights:  # float32 weights (checked), so gradients and moments are 4 bytes an element
+        resident += [
+            (f"weight gradients{share}" + (" + DDP buckets" if setup.ddp else ""),
+             sizes.masked * 4 // s * (2 if setup.ddp else 1)),
+            (f"weights' AdamW moments{share}", 2 * sizes.masked * 4 // s),
+        ]
+        if setup.distill:
+            resident.append((f"the teacher's dense copy of the weights{share}", sizes.masked * bw // s))
     if s > 1:
         blocks = 2 * (sizes.block * bw + sizes.block_masked * bl) + sizes.block_masked * bl
         unsharded = blocks + sizes.root * bw
@@ -223,7 +233,7 @@ def run_setup(config: LearnConfig, world: int, device_type: str) -> Setup:
                  weight_bytes=DTYPES[config.dtype].itemsize, logit_bytes=DTYPES[config.logits_dtype].itemsize,
                  activation_bytes=2 if autocast or config.dtype == "bfloat16" else 4,
                  distill=bool(config.distill), checkpointing=config.gradient_checkpointing, wanda=wanda,
-                 calib_tokens=config.nsamples * config.seq_len)
+                 calib_tokens=config.nsamples * config.seq_len, train_weights=config.weight_lr > 0)
 
 
 def _title(config: LearnConfig, sizes: ModelSizes, setup: Setup) -> str:

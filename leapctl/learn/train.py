@@ -1,10 +1,11 @@
 """The LEAP training loop, readable top to bottom (in the manner of nanoGPT's train.py).
 
 `leap_masks(model, tokenizer, corpus, config)` learns the mask logits of `model`'s prunable linears (the
-weights stay frozen), takes the hard mask, zeros the pruned weights (and, with `reconstruct`, refits the
-kept ones) and returns the `MaskSet`; it is callable in memory like the one-shot methods. `train` is the
-loop itself, for a config already resolved and validated (`LearnConfig.checked`); `leapctl learn`
-(`leapctl.commands.learn`) loads the model, calls it and writes the run folder.
+weights stay frozen, or with `weight_lr` are learned with them), takes the hard mask, zeros the pruned
+weights (and, with `reconstruct`, refits the kept ones) and returns the `MaskSet`; it is callable in memory
+like the one-shot methods. `train` is the loop itself, for a config already resolved and validated
+(`LearnConfig.checked`); `leapctl learn` (`leapctl.commands.learn`) loads the model, calls it and writes the
+run folder.
 
 The loop calls helpers for everything that is not learning: `processes.py` (DDP / FSDP2 set-up),
 `checkpoint.py` (resume), `signals.py` (stop at a step's end), `metrics.py` (metrics.jsonl, TensorBoard,
@@ -111,6 +112,11 @@ class _Loop:
     def logit_params(self) -> list[torch.Tensor]:
         return [layer.mask_logits for layer in self.masked.values()]  # shards after fully_shard
 
+    @property
+    def weight_params(self) -> list[torch.Tensor]:
+        """The masked linears' weights when they are learned with the mask, else none."""
+        return [layer.weight for layer in self.masked.values()] if self.config.weight_lr else []
+
 
 # ==================================================================================== the loop
 
@@ -154,7 +160,8 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mask_state = MaskState(run_seed=config.seed, compute_dtype=compute_dtype(config, use_autocast),
-                           track_norms=config.magnitude_term and config.lambda2 != 0)
+                           track_norms=config.magnitude_term and config.lambda2 != 0,
+                           train_weights=config.weight_lr > 0, dense_teacher=config.distill > 0)
     if layout is None:
         layout = model_layout(model, config.include, config.exclude)
     masked, total_weights, dense_norm_sum = _masked_model(model, corpus, config, layout, init, meta,
@@ -165,9 +172,13 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
                           position=meta["data_position"] if meta else 0)
 
     # ---------------------------------------------------------------- optimizer, schedules, resume
+    groups = [{"params": [layer.mask_logits for layer in masked.values()], "lr": config.lr,
+               "weight_decay": config.weight_decay}]
+    if config.weight_lr:  # the weights learned with the mask: their own rate, no decay, the same schedule
+        groups.append({"params": [layer.weight for layer in masked.values()], "lr": config.weight_lr,
+                       "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(  # fused: one kernel over all logits, ~5x faster than the loop on CPU
-        [layer.mask_logits for layer in masked.values()], lr=config.lr, betas=(config.beta1, config.beta2),
-        weight_decay=config.weight_decay, fused=True,
+        groups, betas=(config.beta1, config.beta2), fused=True,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                   cosine_with_warmup(config.warmup_steps, config.steps))
@@ -221,6 +232,8 @@ def _train_step(loop: _Loop, step: int, stop: StopFlag) -> dict:
         last = position == micro_local - 1
         sums += _micro_batch(loop, ids, step, micro_batch, decay, last)
     grad_norm = _clip_gradients(loop.logit_params, config.max_grad_norm)
+    if loop.weight_params:  # clipped on their own: their gradients' scale is not the logits'
+        _clip_gradients(loop.weight_params, config.max_grad_norm)
     loop.optimizer.step()
     loop.scheduler.step()
     loop.optimizer.zero_grad(set_to_none=True)
@@ -296,11 +309,15 @@ def _learned_masks(loop: _Loop, fingerprint: dict, metrics: list[dict], start_st
     }
     if config.save_logits:
         stats["logits"] = {name: full_cpu(p, p).float().contiguous() for name, p in final.items()}
+    if sharded and config.weight_lr:  # the trained weights, whole, for the fresh copy rank 0 prunes
+        stats["weights"] = {name: full_cpu(layer.weight.detach(), layer.weight)
+                            for name, layer in loop.masked.items()}
     return LearnedMasks(
         masks=masks, model=str(getattr(loop.model, "name_or_path", config.model)),
         extra={"method": "leap", "target_sparsity": config.sparsity, "hard_mask": config.hard_mask,
                "preset": config.preset, "steps": config.steps, "batch_size": config.batch_size,
                "seq_len": config.seq_len,
+               **({"weight_lr": config.weight_lr} if config.weight_lr else {}),
                **{key: getattr(config, key) for key in PRESET_VALUES[config.preset]}},
         stats=stats,
     )
@@ -386,7 +403,8 @@ def _resume(loop: _Loop, state_dir: Path | None, meta: dict | None) -> tuple[int
     """(first step, checkpoint generation): from the checkpoint with `--resume`, else (0, 0)."""
     if meta is None:
         return 0, 0
-    _restore(state_dir, meta, loop.masked, loop.optimizer, loop.processes.distributed)
+    _restore(state_dir, meta, loop.masked, loop.optimizer, loop.processes.distributed,
+             weights=bool(loop.weight_params))
     loop.scheduler.load_state_dict(meta["scheduler"])
     restore_rng_states(meta["rng"])
     return meta["step"], meta["generation"] + 1
@@ -395,7 +413,7 @@ def _resume(loop: _Loop, state_dir: Path | None, meta: dict | None) -> tuple[int
 def _save_checkpoint(loop: _Loop, state_dir: Path, next_step: int, generation: int, fingerprint: dict,
                      tokens: int) -> None:
     optimizer = loop.optimizer
-    save_checkpoint(state_dir, _checkpoint_tensors(loop.masked, optimizer), {
+    save_checkpoint(state_dir, _checkpoint_tensors(loop.masked, optimizer, bool(loop.weight_params)), {
         "fingerprint": fingerprint,
         "step": next_step,
         "generation": generation,
@@ -408,29 +426,39 @@ def _save_checkpoint(loop: _Loop, state_dir: Path, next_step: int, generation: i
     }, loop.processes.distributed)
 
 
-def _checkpoint_tensors(masked: dict, optimizer) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint keyed by weight name: logits and AdamW state, as they live (FSDP2
-    shards stay shards; DCP writes each process's own)."""
+def _checkpoint_tensors(masked: dict, optimizer, weights: bool) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint keyed by weight name: logits and AdamW state, and with `weights` the
+    trained weights and theirs, as they live (FSDP2 shards stay shards; DCP writes each process's own)."""
     tensors = {}
     for name, layer in masked.items():
         tensors[f"logits.{name}"] = layer.mask_logits.detach()
         for key, value in optimizer.state.get(layer.mask_logits, {}).items():
             tensors[f"{key}.{name}"] = value
+        if weights:
+            tensors[f"weight.{name}"] = layer.weight.detach()
+            for key, value in optimizer.state.get(layer.weight, {}).items():
+                tensors[f"weight_{key}.{name}"] = value
     return tensors
 
 
-def _restore(state_dir: Path, meta: dict, masked: dict, optimizer, distributed: bool) -> None:
-    """Logits into the parameters (shards under FSDP2) and AdamW's state through `load_state_dict`, which
-    puts every tensor where this optimizer keeps it (fused AdamW: `step` on the parameter's device)."""
+def _restore(state_dir: Path, meta: dict, masked: dict, optimizer, distributed: bool, weights: bool) -> None:
+    """Logits (and with `weights` the trained weights) into the parameters (shards under FSDP2) and AdamW's
+    state through `load_state_dict`, which puts every tensor where this optimizer keeps it (fused AdamW:
+    `step` on the parameter's device). The optimizer numbers its parameters group by group: the logits,
+    then the weights."""
     templates, slots = {}, {}
-    for index, (name, layer) in enumerate(masked.items()):
-        param = layer.mask_logits
-        templates[f"logits.{name}"] = param.detach()
-        slots[index] = {"step": torch.zeros((), dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(param.detach()),
-                        "exp_avg_sq": torch.zeros_like(param.detach())}
-        for key, value in slots[index].items():
-            templates[f"{key}.{name}"] = value
+    kinds = [("logits", "", "mask_logits")] + ([("weight", "weight_", "weight")] if weights else [])
+    index = 0
+    for prefix, state_prefix, attribute in kinds:
+        for name, layer in masked.items():
+            param = getattr(layer, attribute)
+            templates[f"{prefix}.{name}"] = param.detach()
+            slots[index] = {"step": torch.zeros((), dtype=torch.float32),
+                            "exp_avg": torch.zeros_like(param.detach()),
+                            "exp_avg_sq": torch.zeros_like(param.detach())}
+            for key, value in slots[index].items():
+                templates[f"{state_prefix}{key}.{name}"] = value
+            index += 1
     load_tensors(state_dir, meta, templates, distributed)
     groups = [{**saved, "params": group["params"]} for saved, group in
               zip(meta["param_groups"], optimizer.state_dict()["param_groups"], strict=True)]

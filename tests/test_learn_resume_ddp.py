@@ -258,15 +258,17 @@ def test_weights_learned_with_the_mask_resume_after_sigkill_bit_for_bit(
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[n], resumed[n]) for n in whole)
 
 
-def test_fsdp2_writes_the_weights_learned_with_the_mask(
-    stories260k_dir, calib, weights_uninterrupted, tmp_path
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_two_processes_write_the_weights_learned_with_the_mask(
+    stories260k_dir, calib, weights_uninterrupted, tmp_path, sharding
 ):
-    """Under FSDP2 rank 0 prunes a fresh copy of the model: the trained weights, gathered from the shards,
-    must reach it. Two processes sum in another order (see the test above), so the kept weights agree with
-    one process's to far less than the training moved them; a fresh copy without them would be as far
-    from one process's weights as the dense model is."""
-    out = tmp_path / "fsdp"
-    proc = subprocess.run(_torchrun(*_args(stories260k_dir, calib, out), "--fsdp", "--weight-lr", WEIGHT_LR),
+    """DDP all-reduces the weights' gradients with the logits'; under FSDP2 rank 0 prunes a fresh copy of
+    the model, so the trained weights, gathered from the shards, must reach it. Two processes sum in
+    another order (see above), so the kept weights agree with one process's to far less than the training
+    moved them; a fresh copy without them would be as far from one process's weights as the dense model."""
+    out = tmp_path / sharding
+    sharded = ["--fsdp"] if sharding == "fsdp2" else []
+    proc = subprocess.run(_torchrun(*_args(stories260k_dir, calib, out), *sharded, "--weight-lr", WEIGHT_LR),
                           env=ENV, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = load_file(weights_uninterrupted / "model.safetensors")

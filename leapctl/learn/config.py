@@ -119,7 +119,8 @@ class LearnConfig:
     lambda2: float = setting(10.0, "Weight of the (decaying) kept-magnitude ratio.")
     magnitude_term: bool | None = setting(None, "The decaying magnitude term (default: preset; paper: on).",
                                           flag="--magnitude/--no-magnitude")
-    max_grad_norm: float = setting(1.0, "Clip the logits' gradient norm (the authors' 1.0); 0 turns it off.")
+    max_grad_norm: float = setting(1.0, "Clip the logits' gradient norm (the authors' 1.0), and with "
+                                        "--weight-lr the weights' on their own; 0 turns it off.")
     distill: float | None = setting(None, "Weight d of KL(dense || masked) against the same model with the "
                                           "masks off; the LM loss gets 1 - d (default: preset).")
     reconstruct: bool | None = setting(None, "After the hard mask, refit the kept weights by least squares "

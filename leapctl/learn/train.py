@@ -310,8 +310,12 @@ def _learned_masks(loop: _Loop, fingerprint: dict, metrics: list[dict], start_st
     if config.save_logits:
         stats["logits"] = {name: full_cpu(p, p).float().contiguous() for name, p in final.items()}
     if sharded and config.weight_lr:  # the trained weights, whole, for the fresh copy rank 0 prunes
-        stats["weights"] = {name: full_cpu(layer.weight.detach(), layer.weight)
-                            for name, layer in loop.masked.items()}
+        weights = {}
+        for name, layer in loop.masked.items():  # every rank gathers; only rank 0 keeps (one layer at a time)
+            whole = full_cpu(layer.weight.detach(), layer.weight)
+            if loop.processes.master:
+                weights[name] = whole
+        stats["weights"] = weights
     return LearnedMasks(
         masks=masks, model=str(getattr(loop.model, "name_or_path", config.model)),
         extra={"method": "leap", "target_sparsity": config.sparsity, "hard_mask": config.hard_mask,

@@ -115,8 +115,6 @@ def _finish_and_write(config: LearnConfig, model, layout, tokenizer, learned, co
                       dense_ppl: dict, device, sharded: bool) -> None:
     """Rank 0, after the process group: under FSDP2 the trained model is sharded, so a fresh copy is
     pruned; then the sparse perplexities, the run folder and the state folder's cleanup."""
-    import torch
-
     from leapctl.compute import DTYPES
     from leapctl.learn.heldout import perplexities, report_entry
     from leapctl.learn.start import quantize_frozen
@@ -129,10 +127,7 @@ def _finish_and_write(config: LearnConfig, model, layout, tokenizer, learned, co
         layout = model_layout(model, config.include, config.exclude)
         quantize_frozen(model, config, layout)
         if "weights" in learned.stats:  # the weights learned with the mask, gathered at the loop's end
-            params = dict(model.named_parameters())
-            with torch.no_grad():
-                for name, weight in learned.stats.pop("weights").items():
-                    params[name].copy_(weight)
+            model.load_state_dict(learned.stats.pop("weights"), strict=False)
         finish_weights(model, learned, corpus, config)
     sparse_ppl = perplexities(model.eval(), texts, config.seq_len, config.progress)
     heldout = report_entry(config, dense_ppl, sparse_ppl) if texts else None

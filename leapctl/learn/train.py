@@ -114,8 +114,8 @@ class _Loop:
 
     @property
     def weight_params(self) -> list[torch.Tensor]:
-        """The masked linears' weights when they are learned with the mask, else none."""
-        return [layer.weight for layer in self.masked.values()] if self.config.weight_lr else []
+        """The masked linears' weights (trained with `weight_lr`)."""
+        return [layer.weight for layer in self.masked.values()]
 
 
 # ==================================================================================== the loop
@@ -232,7 +232,7 @@ def _train_step(loop: _Loop, step: int, stop: StopFlag) -> dict:
         last = position == micro_local - 1
         sums += _micro_batch(loop, ids, step, micro_batch, decay, last)
     grad_norm = _clip_gradients(loop.logit_params, config.max_grad_norm)
-    if loop.weight_params:  # clipped on their own: their gradients' scale is not the logits'
+    if config.weight_lr:  # clipped on their own: their gradients' scale is not the logits'
         _clip_gradients(loop.weight_params, config.max_grad_norm)
     loop.optimizer.step()
     loop.scheduler.step()
@@ -408,7 +408,7 @@ def _resume(loop: _Loop, state_dir: Path | None, meta: dict | None) -> tuple[int
     if meta is None:
         return 0, 0
     _restore(state_dir, meta, loop.masked, loop.optimizer, loop.processes.distributed,
-             weights=bool(loop.weight_params))
+             weights=loop.config.weight_lr > 0)
     loop.scheduler.load_state_dict(meta["scheduler"])
     restore_rng_states(meta["rng"])
     return meta["step"], meta["generation"] + 1
@@ -417,7 +417,7 @@ def _resume(loop: _Loop, state_dir: Path | None, meta: dict | None) -> tuple[int
 def _save_checkpoint(loop: _Loop, state_dir: Path, next_step: int, generation: int, fingerprint: dict,
                      tokens: int) -> None:
     optimizer = loop.optimizer
-    save_checkpoint(state_dir, _checkpoint_tensors(loop.masked, optimizer, bool(loop.weight_params)), {
+    save_checkpoint(state_dir, _checkpoint_tensors(loop.masked, optimizer, loop.config.weight_lr > 0), {
         "fingerprint": fingerprint,
         "step": next_step,
         "generation": generation,

@@ -114,6 +114,25 @@ def test_plan_is_within_20_percent_of_the_measured_peak(shape, settings):
     assert 0.8 * measured <= planned <= 1.2 * measured, (planned, measured)
 
 
+def test_end_phase_counts_what_rank_0_gathers_into_host_ram_on_a_cpu():
+    """On a CPU the host RAM is the device: rank 0 gathers the whole masks (bool), with --save-logits the
+    whole logits (float32), with --weight-lr under FSDP2 the whole weights (float32); on a GPU, none."""
+    model = _random_llama(64, 128, 2, 256)
+    masked = model_sizes(model).masked
+
+    def end_bytes(device_type: str, world: int = 1, **settings) -> int:
+        config = _config(**settings).checked(world)
+        _, _, end = estimate(model_sizes(model), run_setup(config, world, device_type))
+        return sum(b for _, b in end)
+
+    base = end_bytes("cpu")
+    assert end_bytes("cpu", save_logits=True) - base == 4 * masked
+    assert end_bytes("cuda", save_logits=True) == end_bytes("cuda")
+    fsdp = dict(fsdp=True, weight_lr=1e-3)
+    assert end_bytes("cpu", 2, **fsdp) - end_bytes("cpu", 2, fsdp=True) == 4 * masked
+    assert end_bytes("cuda", 2, **fsdp) == end_bytes("cuda", 2, fsdp=True)
+
+
 # ---------------------------------------------------------------- the hard mask's top-k
 
 
@@ -196,11 +215,12 @@ def _check_fsdp_shards(shape: tuple, settings: dict) -> None:
     for worker in workers:
         worker.join(timeout=600)
         assert worker.exitcode == 0
-    for rank, (peak, masks) in results.items():
+    for rank, (peak, _) in results.items():
         assert peak <= 0.6 * single_peak, (rank, peak, single_peak)
         assert 0.8 * peak <= planned <= 1.2 * peak, (rank, planned, peak)
-        for name, mask in single.masks.items():
-            assert torch.equal(torch.from_numpy(masks[name]), mask), (rank, name)
+    assert results[1][1] == {}  # rank 1 gathers for rank 0 but keeps no whole copy in its host RAM
+    for name, mask in single.masks.items():
+        assert torch.equal(torch.from_numpy(results[0][1][name]), mask), name
 
 
 def test_fsdp2_two_processes_hold_at_most_0_6x_and_learn_the_same_masks():

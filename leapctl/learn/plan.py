@@ -17,7 +17,8 @@ Per device (one process), for the configuration given:
   too, and the float32 log-softmaxes), or a masked linear's soft mask, W * M and their gradients (the
   largest layer, whole);
 - at the start, before sharding: the whole model in `--dtype` on every process, on rank 0 with Wanda's
-  calibration hidden states; at the end, the hard mask.
+  calibration hidden states; at the end, the hard mask, and on a CPU what rank 0 gathers whole into its
+  RAM (the masks; the logits with `--save-logits`; the weights with `--weight-lr` under FSDP2).
 The peak is the largest of start, training and end; a runtime allowance (CUDA context, NCCL, the
 allocator's slack; the interpreter on a CPU) comes on top."""
 
@@ -70,6 +71,7 @@ class Setup:
     wanda: bool  # rank 0 computes the initial mask (calibration hidden states on the device)
     calib_tokens: int  # nsamples x sequence length
     train_weights: bool = False  # --weight-lr: the masked weights learned with the logits
+    save_logits: bool = False  # --save-logits: rank 0 gathers the whole trained logits at the end
 
     @property
     def shards(self) -> int:
@@ -183,9 +185,13 @@ def estimate(sizes: ModelSizes, setup: Setup) -> tuple[list, list, list]:
         start.append(("Wanda calibration hidden states (rank 0)", 2 * setup.calib_tokens * sizes.hidden * bw))
     logit_start = (sizes.block_masked if s > 1 else sizes.masked) * (bl + 1)  # logits and their keep-mask
     start.append(("initial logits" + (" of one block, before sharding" if s > 1 else ""), logit_start))
-    on_host = sizes.masked if setup.device_type == "cpu" else 0  # the whole masks, gathered to the host
-    end = resident[:2] + [resident[3], ("hard mask (bool), and the whole masks in RAM",
-                                        sizes.masked // s + on_host)]
+    on_host = setup.device_type == "cpu"  # what rank 0 gathers whole to the host is then on the device too
+    end = resident[:2] + [resident[3], ("hard mask (bool), and the whole masks in RAM (rank 0)",
+                                        sizes.masked // s + (sizes.masked if on_host else 0))]
+    if on_host and setup.save_logits:
+        end.append(("the whole trained logits, float32 (rank 0)", sizes.masked * 4))
+    if on_host and setup.train_weights and s > 1:
+        end.append(("the whole trained weights, gathered for the pruned copy (rank 0)", sizes.masked * 4))
     return training, start, end
 
 
@@ -233,7 +239,8 @@ def run_setup(config: LearnConfig, world: int, device_type: str) -> Setup:
                  weight_bytes=DTYPES[config.dtype].itemsize, logit_bytes=DTYPES[config.logits_dtype].itemsize,
                  activation_bytes=2 if autocast or config.dtype == "bfloat16" else 4,
                  distill=bool(config.distill), checkpointing=config.gradient_checkpointing, wanda=wanda,
-                 calib_tokens=config.nsamples * config.seq_len, train_weights=config.weight_lr > 0)
+                 calib_tokens=config.nsamples * config.seq_len, train_weights=config.weight_lr > 0,
+                 save_logits=config.save_logits)
 
 
 def _title(config: LearnConfig, sizes: ModelSizes, setup: Setup) -> str:

@@ -65,7 +65,7 @@ SUMMED = ("lm_loss", "kl", "density", "density_penalty", "magnitude_penalty", "l
 class LearnedMasks(MaskSet):
     """The `MaskSet` that `leap_masks` returns, with how the run went: `stats` holds the resolved settings,
     the per-step metrics of this process's steps, timing and peak memory (and the final logits with
-    `save_logits`)."""
+    `save_logits`). With several processes only rank 0's holds the masks and logits; the others' are empty."""
 
     stats: dict = field(default_factory=dict)
 
@@ -206,7 +206,7 @@ def train(model: torch.nn.Module, tokenizer, corpus, config: LearnConfig, init: 
 
     # ---------------------------------------------------------------- the hard mask, the pruned model
     learned = _learned_masks(loop, fingerprint, metrics.records, start_step, train_seconds)
-    if not (processes.distributed and config.fsdp):
+    if processes.master and not (processes.distributed and config.fsdp):  # rank 0 alone writes the run
         model.gradient_checkpointing_disable()
         detach_masks(model, {name.removesuffix(".weight"): layer for name, layer in masked.items()})
         model.eval()
@@ -292,7 +292,10 @@ def _learned_masks(loop: _Loop, fingerprint: dict, metrics: list[dict], start_st
     final = {name: layer.mask_logits.detach() for name, layer in loop.masked.items()}
     local = {name: (p.to_local() if hasattr(p, "to_local") else p) for name, p in final.items()}
     keep = hard_masks(local, config.density, config.hard_mask, group=dist.group.WORLD if sharded else None)
-    masks = {name: full_cpu(keep[name].to(torch.uint8), final[name]).bool() for name in final}
+    master = loop.processes.master  # every process gathers (a collective under FSDP2); rank 0 alone keeps,
+    # since only it prunes and writes the run: host RAM holds one whole copy, not one per process
+    masks = _gathered({name: keep[name].to(torch.uint8) for name in final}, final, master,
+                      lambda whole: whole.view(torch.bool))
     tokens_per_step = config.batch_size * config.seq_len
     stats = {
         "settings": fingerprint,
@@ -308,14 +311,10 @@ def _learned_masks(loop: _Loop, fingerprint: dict, metrics: list[dict], start_st
         "metrics": metrics,
     }
     if config.save_logits:
-        stats["logits"] = {name: full_cpu(p, p).float().contiguous() for name, p in final.items()}
+        stats["logits"] = _gathered(final, final, master, lambda whole: whole.float().contiguous())
     if sharded and config.weight_lr:  # the trained weights, whole, for the fresh copy rank 0 prunes
-        weights = {}
-        for name, layer in loop.masked.items():  # every rank gathers; only rank 0 keeps (one layer at a time)
-            whole = full_cpu(layer.weight.detach(), layer.weight)
-            if loop.processes.master:
-                weights[name] = whole
-        stats["weights"] = weights
+        stats["weights"] = _gathered({name: layer.weight.detach() for name, layer in loop.masked.items()},
+                                     {name: layer.weight for name, layer in loop.masked.items()}, master)
     return LearnedMasks(
         masks=masks, model=str(getattr(loop.model, "name_or_path", config.model)),
         extra={"method": "leap", "target_sparsity": config.sparsity, "hard_mask": config.hard_mask,
@@ -325,6 +324,18 @@ def _learned_masks(loop: _Loop, fingerprint: dict, metrics: list[dict], start_st
                **{key: getattr(config, key) for key in PRESET_VALUES[config.preset]}},
         stats=stats,
     )
+
+
+def _gathered(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], keep: bool,
+              convert=lambda whole: whole) -> dict[str, torch.Tensor]:
+    """Each of `tensors` whole on the CPU (`full_cpu` against the parameter of the same name), converted one
+    layer at a time; every process must call this, and only the one with `keep` keeps them (others get {})."""
+    whole = {}
+    for name, tensor in tensors.items():
+        gathered = full_cpu(tensor, params[name])
+        if keep:
+            whole[name] = convert(gathered)
+    return whole
 
 
 def finish_weights(model: torch.nn.Module, masks: MaskSet, corpus, config: LearnConfig) -> None:

@@ -283,8 +283,9 @@ def _chunks(p: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _count(p: torch.Tensor, value: torch.Tensor, op) -> torch.Tensor:
-    """How many elements of `p` satisfy `op(element, value)`, compared in float32 a chunk at a time."""
-    return sum(op(chunk.float(), value).sum() for chunk in _chunks(p))
+    """How many elements of `p` satisfy `op(element, value)`, compared in float32 a chunk at a time
+    (`count_nonzero`: a boolean tensor's `sum` widens it to int64, ~9x slower on a CPU)."""
+    return sum(torch.count_nonzero(op(chunk.float(), value)) for chunk in _chunks(p))
 
 
 def hard_masks(
@@ -310,7 +311,8 @@ def hard_masks(
     names = list(logits)
     device = next(iter(logits.values())).device
     sizes_and_nans = _group_sum(torch.stack([
-        torch.stack([torch.tensor(logits[n].numel(), device=device), torch.isnan(logits[n]).sum()])
+        torch.stack([torch.tensor(logits[n].numel(), device=device),
+                     torch.count_nonzero(torch.isnan(logits[n]))])
         for n in names]), group)
     if int(sizes_and_nans[:, 1].sum()):
         raise ValueError("the mask logits hold NaN: the run diverged")

@@ -123,3 +123,15 @@ def test_recovery_after_quantize_takes_the_tuning_steps():
     config.validate()
     plan = make_plan(config, parse_budget("200ktok"), None, None, checkpointing=False)
     assert plan.tune_steps == 0 and plan.recover_steps == 200_000 // (BATCH_SIZE * SEQ_LEN)
+
+
+def test_an_eval_text_named_like_compress_own_is_refused(stories260k_dir, tmp_path):
+    """compress scores its own wikitext2-60k.txt; a user's file of that name would share its score's key."""
+    text = tmp_path / "texts" / "wikitext2-60k.txt"
+    text.parent.mkdir()
+    text.write_text("Some text.\n")
+    done = leapctl(*compress_args(stories260k_dir, tmp_path / "model"), "--eval-text", str(text))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0
+    assert "compress already scores a text named wikitext2-60k.txt" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]

@@ -86,3 +86,24 @@ def test_bad_input_is_one_line_exit_2(tmp_path, stories260k_dir, args, message):
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert done.stderr.startswith(message.format(**fill))
     assert not out.exists()
+
+
+def test_ppl_files_of_one_name_are_scored_once_or_refused(tmp_path, stories260k_dir):
+    """Scores are keyed by the file's name: the same text under two paths is scored once; another text under
+    the same name would overwrite the first's score, so it is refused in one line before any model loads."""
+    from leapctl.eval import load_ppl_texts
+
+    paths = {}
+    for folder, text in (("a", "One text.\n"), ("b", "One text.\n"), ("c", "Another text.\n")):
+        paths[folder] = tmp_path / folder / "t.txt"
+        paths[folder].parent.mkdir()
+        paths[folder].write_text(text)
+    once = load_ppl_texts([paths["a"], paths["b"]])
+    assert [(text.name, text.text) for text in once] == [("t.txt", "One text.\n")]
+    out = tmp_path / "eval.json"
+    done = _leapctl(str(stories260k_dir), "--ppl", str(paths["a"]), "--ppl", str(paths["c"]),
+                    "--json", str(out))
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: two --ppl files are named t.txt with different texts (scores are "
+                                   "keyed by file name): rename one")
+    assert not out.exists()

@@ -21,7 +21,7 @@ def run(config: EvalConfig) -> dict:
     """Check the settings, load the texts, evaluate every model, write `--json` atomically;
     returns the results."""
     from leapctl.compute import dtype_from_name, resolve_device
-    from leapctl.eval import WIKITEXT2, evaluate_models, load_ppl_text, parse_tasks
+    from leapctl.eval import WIKITEXT2, evaluate_models, load_ppl_texts, parse_tasks
 
     dtype = dtype_from_name(config.dtype)
     device = resolve_device(config.device)
@@ -29,7 +29,7 @@ def run(config: EvalConfig) -> dict:
     ppl_specs = config.ppl or ([] if task_names else [WIKITEXT2])
     if config.json_out is not None:  # now, not after the models have run
         _check_json_out(config.json_out, config.overwrite, _inputs(config, ppl_specs, task_names))
-    texts = [load_ppl_text(spec) for spec in ppl_specs]
+    texts = load_ppl_texts(ppl_specs)
     results = evaluate_models(config.models, texts, task_names, seq_len=config.seq_len, limit=config.limit,
                               tasks_dir=config.tasks_dir, device=str(device), dtype=dtype,
                               batch_size=config.batch_size, progress=config.progress)

@@ -16,6 +16,10 @@ PRUNE, LEARN, RECOVER, QUANTIZE = "prune", "learn", "recover", "quantize"
 STAGES = (PRUNE, LEARN, RECOVER, QUANTIZE)
 DEFAULT_STAGES = "prune,recover,quantize"
 AUTO = "auto"
+# The texts compress writes into its state folder and scores itself: wiki-summaries' held-apart slice and
+# WikiText-2's first 60,000 characters (eval keys scores by file name, so --eval-text may not reuse them).
+HELDOUT_NAME, WIKITEXT2_NAME = "wiki-summaries-heldout.txt", "wikitext2-60k.txt"
+OWN_TEXT_NAMES = (HELDOUT_NAME, WIKITEXT2_NAME)
 _TOKEN_UNITS = {"tok": 1, "tokens": 1, "ktok": 1_000, "ktokens": 1_000, "Mtok": 1_000_000,
                 "Mtokens": 1_000_000}
 _UNITS = "|".join(("min", "h", *_TOKEN_UNITS))
@@ -113,9 +117,14 @@ class CompressConfig:
         if self.budget != AUTO:
             parse_budget(self.budget)
         self.stage_list = parse_stages(self.stages)
+        names = set(OWN_TEXT_NAMES)
         for text in self.eval_text:
             if not Path(text).is_file():
                 raise LeapctlError(f"--eval-text {text} is not a file")
+            if Path(text).name in names:  # the scores are keyed by file name
+                raise LeapctlError(f"--eval-text {text}: compress already scores a text named "
+                                   f"{Path(text).name} ({', '.join(OWN_TEXT_NAMES)} are its own); rename it")
+            names.add(Path(text).name)
 
     def state_dir(self) -> Path:
         out = Path(self.out)

@@ -17,7 +17,17 @@ from pathlib import Path
 
 import torch
 
-from leapctl.compress.config import AUTO, LEARN, PRUNE, QUANTIZE, RECOVER, CompressConfig, parse_budget
+from leapctl.compress.config import (
+    AUTO,
+    HELDOUT_NAME,
+    LEARN,
+    PRUNE,
+    QUANTIZE,
+    RECOVER,
+    WIKITEXT2_NAME,
+    CompressConfig,
+    parse_budget,
+)
 from leapctl.compress.plan import Plan, auto_budget, make_plan, probe_step, read_plan, write_plan
 from leapctl.errors import LeapctlError
 
@@ -200,14 +210,14 @@ def _eval_texts(config: CompressConfig, state: Path) -> list[Path]:
 
     texts = []
     if config.calib == WIKI_SUMMARIES:
-        heldout = state / "wiki-summaries-heldout.txt"
+        heldout = state / HELDOUT_NAME
         if not heldout.is_file():
             documents = load_documents(WIKI_SUMMARIES_HELDOUT)[:HELDOUT_DOCUMENTS]
             write_text_atomically(heldout, "\n\n".join(documents) + "\n")
         texts.append(heldout)
     wikitext = (assets_dir() or state) / WIKITEXT2_RAW
     if wikitext.is_file():
-        excerpt = state / f"wikitext2-{WIKITEXT2_CHARACTERS // 1000}k.txt"
+        excerpt = state / WIKITEXT2_NAME
         if not excerpt.is_file():
             write_text_atomically(excerpt, wikitext.read_text(encoding="utf-8")[:WIKITEXT2_CHARACTERS])
         texts.append(excerpt)
@@ -217,7 +227,7 @@ def _eval_texts(config: CompressConfig, state: Path) -> list[Path]:
 HELDOUT_DOCUMENTS = 60  # about 6k tokens of held-apart summaries: minutes, not tens, on a CPU
 # The and bench/pareto's WikiText-2 text: its test split's first 60,000 characters (15,227 SmolLM2
 # tokens), scored the same way for every model.
-WIKITEXT2_RAW, WIKITEXT2_CHARACTERS = "wikitext-2-raw/wiki.test.raw", 60_000
+WIKITEXT2_RAW, WIKITEXT2_CHARACTERS = "wikitext-2-raw/wiki.test.raw", 60_000  # written as WIKITEXT2_NAME
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -25,7 +25,7 @@ from leapctl.eval.perplexity import (
 from leapctl.eval.zeroshot import TASKS, check_task_files, parse_tasks, zero_shot
 
 __all__ = ["perplexity", "perplexity_documents", "zero_shot", "evaluate_models", "PplText",
-           "load_ppl_text", "TASKS", "parse_tasks", "read_wikitext", "split_documents"]
+           "load_ppl_text", "load_ppl_texts", "TASKS", "parse_tasks", "read_wikitext", "split_documents"]
 
 WIKITEXT2 = "wikitext2"
 WIKITEXT2_FILE = "wikitext-2-raw/wiki.test.lf.raw"
@@ -66,6 +66,19 @@ def load_ppl_text(spec: str | Path) -> PplText:
     if not text.strip():
         raise LeapctlError(f"--ppl file {path} is empty")
     return PplText(path.name, text)
+
+
+def load_ppl_texts(specs: list[str | Path]) -> list[PplText]:
+    """`load_ppl_text` of each spec. Scores are keyed by the file's name: a second file of the same name
+    and text is dropped (scored once), one of the same name and another text is refused."""
+    texts: dict[str, PplText] = {}
+    for spec in specs:
+        text = load_ppl_text(spec)
+        earlier = texts.setdefault(text.name, text)
+        if earlier.text != text.text:
+            raise LeapctlError(f"two --ppl files are named {text.name} with different texts (scores are "
+                               f"keyed by file name): rename one")
+    return list(texts.values())
 
 
 def measured_sparsity(model: torch.nn.Module) -> float:

@@ -76,7 +76,7 @@ class CompressConfig:
     sparsity: float = setting(help="Fraction of the decoder's linear weights pruned, in (0, 1). On "
                                    "SmolLM2-135M at the CPU budget 0.3 is smaller and better than "
                                    "llama.cpp's Q4_0 (0.84x its bytes a token, 0.93x its WikiText-2 "
-                                   "perplexity); 0.5 reads fewer bytes at 1.7x the dense perplexity "
+                                   "perplexity); 0.5 reads fewer bytes at 1.6x the dense perplexity "
                                    "(bench/results/compress).")
     out: Path = setting(help="Output run folder: the compressed model (4-bit kept weights unless quantize is "
                              "left out), its masks, scales and report, plus compress.json.")

@@ -125,13 +125,19 @@ def test_recovery_after_quantize_takes_the_tuning_steps():
     assert plan.tune_steps == 0 and plan.recover_steps == 200_000 // (BATCH_SIZE * SEQ_LEN)
 
 
-def test_an_eval_text_named_like_compress_own_is_refused(stories260k_dir, tmp_path):
-    """compress scores its own wikitext2-60k.txt; a user's file of that name would share its score's key."""
-    text = tmp_path / "texts" / "wikitext2-60k.txt"
-    text.parent.mkdir()
-    text.write_text("Some text.\n")
-    done = leapctl(*compress_args(stories260k_dir, tmp_path / "model"), "--eval-text", str(text))
+@pytest.mark.parametrize("names, message", [
+    (["wikitext2-60k.txt"], "compress names its own texts wiki-summaries-heldout.txt and wikitext2-60k.txt"),
+    (["a/t.txt", "b/t.txt"], "another --eval-text is also named t.txt"),
+])
+def test_eval_texts_of_one_name_are_refused(stories260k_dir, tmp_path, names, message):
+    """Scores are keyed by file name: a user's file named like compress's own text, or like another of the
+    user's, would share its score's key."""
+    texts = []
+    for name in names:
+        texts += ["--eval-text", str(tmp_path / "texts" / name)]
+        (tmp_path / "texts" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "texts" / name).write_text(f"The text of {name}.\n")
+    done = leapctl(*compress_args(stories260k_dir, tmp_path / "model"), *texts)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().count("\n") == 0
-    assert "compress already scores a text named wikitext2-60k.txt" in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and message in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]

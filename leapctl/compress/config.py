@@ -117,14 +117,19 @@ class CompressConfig:
         if self.budget != AUTO:
             parse_budget(self.budget)
         self.stage_list = parse_stages(self.stages)
-        names = set(OWN_TEXT_NAMES)
+        names: set[str] = set()  # the scores are keyed by file name
         for text in self.eval_text:
+            name = Path(text).name
             if not Path(text).is_file():
                 raise LeapctlError(f"--eval-text {text} is not a file")
-            if Path(text).name in names:  # the scores are keyed by file name
-                raise LeapctlError(f"--eval-text {text}: compress already scores a text named "
-                                   f"{Path(text).name} ({', '.join(OWN_TEXT_NAMES)} are its own); rename it")
-            names.add(Path(text).name)
+            if name in OWN_TEXT_NAMES:
+                raise LeapctlError(f"--eval-text {text}: compress names its own texts "
+                                   f"{' and '.join(OWN_TEXT_NAMES)} (scores are keyed by file name); "
+                                   f"rename it")
+            if name in names:
+                raise LeapctlError(f"--eval-text {text}: another --eval-text is also named {name} (scores "
+                                   f"are keyed by file name); rename one")
+            names.add(name)
 
     def state_dir(self) -> Path:
         out = Path(self.out)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.competitors import BENCH_VENV, GGUF_FTYPES, REPO, write_gguf
-from leapctl.compress.pipeline import WIKITEXT2_CHARACTERS, WIKITEXT2_RAW
+from leapctl.compress.config import WIKITEXT2_CHARACTERS, WIKITEXT2_RAW
 from leapctl.compress.report import bytes_per_weight
 from leapctl.paths import assets_dir
 

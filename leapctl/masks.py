@@ -30,10 +30,10 @@ class MaskSet:
     def sparsity(self) -> dict[str, float]:
         """Fraction of zeros per weight, and `global` over all of them together (exact integer counts,
         not a float32 mean, which is off in the 8th digit)."""
-        out = {name: 1.0 - int(torch.count_nonzero(m)) / m.numel() for name, m in self.masks.items()}
+        kept = {name: int(torch.count_nonzero(m)) for name, m in self.masks.items()}
+        out = {name: 1.0 - kept[name] / m.numel() for name, m in self.masks.items()}
         total = sum(m.numel() for m in self.masks.values())
-        kept = sum(int(torch.count_nonzero(m)) for m in self.masks.values())
-        out["global"] = 1.0 - kept / total if total else 0.0
+        out["global"] = 1.0 - sum(kept.values()) / total if total else 0.0
         return out
 
 

@@ -24,7 +24,9 @@ from leapctl.compress.config import (
     PRUNE,
     QUANTIZE,
     RECOVER,
+    WIKITEXT2_CHARACTERS,
     WIKITEXT2_NAME,
+    WIKITEXT2_RAW,
     CompressConfig,
     parse_budget,
 )
@@ -225,9 +227,6 @@ def _eval_texts(config: CompressConfig, state: Path) -> list[Path]:
 
 
 HELDOUT_DOCUMENTS = 60  # about 6k tokens of held-apart summaries: minutes, not tens, on a CPU
-# The and bench/pareto's WikiText-2 text: its test split's first 60,000 characters (15,227 SmolLM2
-# tokens), scored the same way for every model.
-WIKITEXT2_RAW, WIKITEXT2_CHARACTERS = "wikitext-2-raw/wiki.test.raw", 60_000  # written as WIKITEXT2_NAME
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -13,8 +13,13 @@ matrix and the output projection). The text is WikiText-2's test split, its firs
     python -m bench.pareto --sparsities 0.3 0.4 0.5 0.6 --budget 35    # SmolLM2-135M: ~3 h on 2 cores
     python -m bench.pareto --sparsities 0.5 --reuse runs/pareto       # add points to an earlier run
     python -m bench.pareto --sparsities --runs "wanda 50%=runs/w50" "recovered=runs/r50"   # given runs
+    python -m bench.pareto --sparsities --runs "60% 4-bit=c60" --carry OLD.json  # + old points
 
-Writes bench/results/pareto/pareto_<name>.{md,json,png}."""
+`--carry` keeps the points of an earlier results file that this run does not measure (the run folders behind
+them may be gone), marked in the table. Perplexity does not depend on the machine, so this run's dense
+perplexity must equal the earlier file's, or the carried points are refused.
+Writes bench/results/pareto/pareto_<name>.{md,json,png}; the notes under an earlier table of the same name are
+kept."""
 
 import argparse
 import json
@@ -31,6 +36,10 @@ from leapctl.paths import assets_dir
 RESULTS = REPO / "bench" / "results" / "pareto"
 LLAMA_CPP_TYPES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "q4_k_m", "q3_k_m", "q2_k")
 SEQ_LEN = 512
+# Carried points share the table only when the two runs' dense perplexities agree within this (relative): a
+# 0.05% change of the dense moves no x-dense ratio of the table's three decimals by more than one in the last.
+CARRY_TOLERANCE = 5e-4
+NOTES_MARK = "<!-- notes: what follows is written by hand and kept when bench.pareto rewrites this file -->"
 
 # llama.cpp's perplexity of a GGUF, run by the bench venv's Python: argv GGUF, text file, window, threads.
 _LLAMA_CPP_PPL = """
@@ -157,21 +166,44 @@ def _bench_python(code: str, *argv: str) -> str:
     return done.stdout
 
 
+def carried_points(path: Path, measured: list[dict]) -> list[dict]:
+    """The points of an earlier results file that `measured` does not hold (by name), each marked with the
+    run that scored it; refused when the two runs' dense perplexities differ (another text or scorer)."""
+    earlier = json.loads(path.read_text())
+    dense = next(p["ppl"] for p in measured if p["family"] == "dense")
+    earlier_dense = next(p["ppl"] for p in earlier["points"] if p["family"] == "dense")
+    if abs(dense / earlier_dense - 1) > CARRY_TOLERANCE:
+        raise SystemExit(f"--carry {path}: its dense perplexity {earlier_dense:.4f} is not this run's "
+                         f"{dense:.4f}; its points were scored on other tokens and cannot share the table")
+    names = {p["name"] for p in measured}
+    source = f"`{earlier['command']}` ({earlier.get('date', 'date not recorded')})"
+    return [{**point, "carried_from": point.get("carried_from", source)} for point in earlier["points"]
+            if point["family"] != "dense" and point["name"] not in names]
+
+
 def write_results(points: list[dict], name: str, command: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    md = RESULTS / f"pareto_{name}.md"
+    notes = md.read_text().partition(NOTES_MARK)[2] if md.is_file() else ""
     dense = next(p["ppl"] for p in points if p["family"] == "dense")
     f32 = next((p["ppl"] for p in points if p["name"] == "llama.cpp F32"), None)
-    lines = [f"`{command}` ({time.strftime('%Y-%m-%d')})", "",
+    date = time.strftime("%Y-%m-%d")
+    sources = sorted({p["carried_from"] for p in points if "carried_from" in p})
+    lines = [f"`{command}` ({date})", "",
              "| model file | bytes read a token, per weight | WikiText-2 ppl (60k chars, 512) | x dense |",
              "| --- | --- | --- | --- |"]
     for point in sorted(points, key=lambda p: -p["per_weight"]):
         base = f32 if point["family"] == "llama.cpp" and f32 else dense
         point["x_dense"] = point["ppl"] / base
         types = f" ({', '.join(point['types'])})" if point.get("types") else ""
-        lines.append(f"| {point['name']}{types} | {point['per_weight']:.3f} | {point['ppl']:.2f} | "
+        mark = "*" * (sources.index(point["carried_from"]) + 1) if "carried_from" in point else ""
+        lines.append(f"| {point['name']}{types}{mark} | {point['per_weight']:.3f} | {point['ppl']:.2f} | "
                      f"{point['x_dense']:.3f} |")
-    (RESULTS / f"pareto_{name}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"pareto_{name}.json").write_text(json.dumps({"command": command, "points": points}, indent=2))
+    for index, source in enumerate(sources, 1):
+        lines += ["", f"{'*' * index} Not scored in this run: carried from {source}."]
+    md.write_text("\n".join([*lines, "", NOTES_MARK]) + (notes or "\n"))
+    (RESULTS / f"pareto_{name}.json").write_text(
+        json.dumps({"command": command, "date": date, "points": points}, indent=2))
     plot(points, RESULTS / f"pareto_{name}.png", name)
 
 
@@ -222,10 +254,16 @@ def main() -> None:
     parser.add_argument("--llama-cpp-types", nargs="*", default=list(LLAMA_CPP_TYPES),
                         choices=sorted(GGUF_FTYPES))
     parser.add_argument("--reuse", type=Path, default=REPO / "runs" / "pareto", help="work folder")
+    parser.add_argument("--carry", type=Path, metavar="JSON",
+                        help="an earlier results file whose points this run does not measure")
     args = parser.parse_args()
+    if args.carry and not args.carry.is_file():
+        raise SystemExit(f"--carry {args.carry}: no such file")
     args.reuse.mkdir(parents=True, exist_ok=True)
     text = wikitext_excerpt(args.reuse)
     points = leapctl_points(args, args.reuse, text) + llama_cpp_points(args, args.reuse, text)
+    if args.carry:
+        points += carried_points(args.carry, points)
     write_results(points, args.name, "python -m bench.pareto " + " ".join(sys.argv[1:]))
 
 

@@ -155,6 +155,23 @@ def test_the_run_folder_keeps_the_masks_and_reports_the_recovery(wanda_run, tmp_
     assert (out / "recover_kl.png").stat().st_size > 0
 
 
+def test_a_budget_larger_than_the_text_says_how_often_it_read_the_text(wanda_run, stories260k_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "short.txt"
+    text.write_text((wanda_run.parent / "text.txt").read_text()[:1500])
+    tokenizer = AutoTokenizer.from_pretrained(stories260k_dir)
+    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"]
+    whole = len(ids) // 64 * 64  # the text cut into whole 64-token windows
+    read = 8 * 4 * 64  # recover_args: 8 steps of 4 x 64
+    done = leapctl(*recover_args(wanda_run, tmp_path / "rec", text))
+    assert done.returncode == 0, done.stderr
+    recovery = json.loads((tmp_path / "rec" / "report.json").read_text())["recovery"]
+    assert read / whole >= 2
+    assert (recovery["text_tokens"], recovery["passes"]) == (whole, round(read / whole, 2))
+    assert f"({read:,} tokens, {read / whole:.1f} times the text's {whole:,}," in done.stdout
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--steps", "0"), "--steps"),
     (("--lr", "nan"), "--lr"),

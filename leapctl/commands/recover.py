@@ -15,6 +15,7 @@ HELP = ("Train the kept weights of a pruned RUN by distillation from the dense m
         "for quantize or export.")
 Config = RecoverConfig
 PLOT = "recover_kl.png"
+REPEATS_SHOWN = 2  # the closing line says how often the text was read once the run has read it twice
 
 
 def run(config: RecoverConfig) -> dict:
@@ -64,13 +65,14 @@ def run(config: RecoverConfig) -> dict:
     del teacher
     kl = [entry["kl"] for entry in result.history]
     last = kl[-10:]
+    tokens, text_tokens = config.steps * config.batch_size * config.seq_len, int(windows.numel())
     report = {"command": "recover", "source_run": str(source.path),
               "source": {k: source.report.get(k) for k in ("command", "method", "target_sparsity")},
               "calibration": {"source": calib},
               "recovery": {"teacher": teacher_spec, "steps": config.steps, "batch_size": config.batch_size,
                            "seq_len": config.seq_len, "lr": lr, "hidden_weight": config.hidden_weight,
-                           "tokens": config.steps * config.batch_size * config.seq_len,
-                           "windows": int(windows.shape[0]), "autocast": autocast,
+                           "tokens": tokens, "windows": int(windows.shape[0]), "text_tokens": text_tokens,
+                           "passes": round(tokens / text_tokens, 2), "autocast": autocast,
                            "gradient_checkpointing": checkpointing, "device": str(device),
                            "on_grid": grid is not None,
                            "resumed_at_step": result.resumed_at_step, "seconds": round(result.seconds, 3),
@@ -104,8 +106,12 @@ def main(config: RecoverConfig) -> int:
                    f"with --resume to continue", err=True)
         return 128 + stop.signal_number
     recovery = report["recovery"]
+    # the batches are drawn with replacement from the text's windows: a budget many times the text repeats it
+    tokens = f"{recovery['tokens']:,} tokens"
+    if recovery["passes"] >= REPEATS_SHOWN:
+        tokens += f", {recovery['passes']:.1f} times the text's {recovery['text_tokens']:,}"
     typer.echo(f"recovered {len(report['achieved_sparsity']['per_layer'])} pruned layers in "
-               f"{recovery['steps']} steps ({recovery['tokens']:,} tokens, {recovery['seconds']:.0f} s): KL "
+               f"{recovery['steps']} steps ({tokens}, {recovery['seconds']:.0f} s): KL "
                f"{recovery['kl_first']:.4f} -> {recovery['kl_last_10']:.4f}, sparsity "
                f"{report['achieved_sparsity']['global']:.4f} -> {config.out}")
     return 0

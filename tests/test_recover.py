@@ -81,7 +81,7 @@ def test_recovery_keeps_the_mask_and_lowers_the_kl(wanda_run, stories260k_dir, t
 
 def test_the_loss_is_the_kl_plus_the_weighted_hidden_term(stories260k_dir):
     """With hidden_weight w, loss = KL + w * mean over blocks of ||h_s - h_t||^2 / ||h_t||^2 (the means
-    over the same elements), each computed here from the raw outputs."""
+    over the same elements), each computed here from the models' own outputs (whole logits)."""
     teacher, _ = load_model(str(stories260k_dir))
     student, _ = load_model(str(stories260k_dir))
     with torch.no_grad():
@@ -90,7 +90,7 @@ def test_the_loss_is_the_kl_plus_the_weighted_hidden_term(stories260k_dir):
         ids = torch.randint(0, teacher.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         s = student(input_ids=ids, output_hidden_states=True)
         t = teacher(input_ids=ids, output_hidden_states=True)
-        loss, kl, hidden = distillation_losses(s, t, ids, hidden_weight=0.5)
+        loss, kl, hidden = distillation_losses(student, teacher, ids, hidden_weight=0.5)
     expected_kl = F.kl_div(F.log_softmax(s.logits[:, :-1], -1).flatten(0, 1),
                            F.log_softmax(t.logits[:, :-1], -1).flatten(0, 1), log_target=True,
                            reduction="batchmean")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from leapctl.distill import language_model_and_distillation
+from leapctl.distill import head_distillation
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
     load_tensors,
@@ -162,17 +162,25 @@ def step_batch(windows: torch.Tensor, batch_size: int, seed: int, step: int) -> 
     return windows[torch.randint(windows.shape[0], (batch_size,), generator=generator)]
 
 
-def distillation_losses(student, teacher, ids: torch.Tensor,
+def distillation_losses(student: nn.Module, teacher: nn.Module, ids: torch.Tensor,
                         hidden_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, KL, hidden) of one batch from the two models' outputs: KL(teacher || student) over the
-    next-token positions, and (when `hidden_weight` > 0) SquareHead's per-block loss, each block output's
-    squared error over the dense output's mean square, averaged over blocks."""
-    _, kl = language_model_and_distillation(student.logits, teacher.logits, ids)
+    """(loss, KL, hidden) of one batch, the two models run here (the teacher without gradients; under the
+    caller's autocast): KL(teacher || student) over the next-token positions, from the final hidden states
+    and the frozen output heads a chunk of positions at a time (`distill.head_distillation`), and (when
+    `hidden_weight` > 0) SquareHead's per-block loss, each block output's squared error over the dense
+    output's mean square, averaged over blocks."""
+    hidden_states = hidden_weight > 0
+    with torch.no_grad():
+        dense = teacher.get_decoder()(input_ids=ids, use_cache=False, output_hidden_states=hidden_states)
+    sparse = student.get_decoder()(input_ids=ids, use_cache=False, output_hidden_states=hidden_states)
+    softcap = getattr(student.config.get_text_config(), "final_logit_softcapping", None)
+    kl = head_distillation(sparse.last_hidden_state, dense.last_hidden_state, student.get_output_embeddings(),
+                           teacher.get_output_embeddings(), softcap)
     if not hidden_weight:
         zero = torch.zeros((), dtype=torch.float32, device=kl.device)
         return kl, kl, zero
     terms = [(s.float() - t.float()).pow(2).mean() / t.float().pow(2).mean().clamp_min(1e-12)
-             for s, t in zip(student.hidden_states[1:], teacher.hidden_states[1:], strict=True)]
+             for s, t in zip(sparse.hidden_states[1:], dense.hidden_states[1:], strict=True)]
     hidden = torch.stack(terms).mean()
     return kl + hidden_weight * hidden, kl, hidden
 
@@ -181,15 +189,10 @@ def _step(loop: _Loop, step: int) -> dict:
     """One optimizer step; returns its record (the step's one host sync)."""
     settings = loop.settings
     ids = step_batch(loop.windows, settings.batch_size, settings.seed, step).to(loop.device)
-    hidden_states = settings.hidden_weight > 0
     autocast = (torch.autocast(loop.device.type, dtype=torch.bfloat16) if settings.autocast
                 else contextlib.nullcontext())
     with autocast:
-        with torch.no_grad():
-            teacher = loop.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden_states)
-        student = loop.model(input_ids=ids, use_cache=False, output_hidden_states=hidden_states)
-    loss, kl, hidden = distillation_losses(student, teacher, ids, settings.hidden_weight)
-    del student, teacher
+        loss, kl, hidden = distillation_losses(loop.model, loop.teacher, ids, settings.hidden_weight)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(loop.weights.values()), MAX_GRAD_NORM)
     lr = loop.scheduler.get_last_lr()[0]

@@ -55,66 +55,74 @@ CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 16 << 20, 1 << 30
 
 def _capped_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    softcap: float | None) -> torch.Tensor:
-    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
     return logits.div_(softcap).tanh_().mul_(softcap) if softcap else logits
 
 
-def _matmul_weights(head: torch.nn.Linear, device_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's weight and bias in the dtype its matmuls run in (autocast's, when on), cast once per call:
-    autocast casts a frozen weight again at every op, 28M numbers a chunk for SmolLM2's head."""
-    dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-             else head.weight.dtype)
-    return head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+def _matmul_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the heads' matmuls run in: autocast's when it is on (the weights are then cast once per call,
+    where autocast casts a frozen weight again at every op: 28M numbers a chunk for SmolLM2's head)."""
+    device_type = tensor.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tensor.dtype
 
 
 class _HeadDistillation(torch.autograd.Function):
-    """KL(teacher || student) of the logits two frozen output heads give final hidden states, a chunk of
-    positions at a time. Its gradient w.r.t. the student's hidden states, (p - q) (x the soft cap's slope)
-    times the head's weight, is made in the same pass and kept: [positions, hidden], where whole logits kept
-    [positions, vocabulary] for the backward (SmolLM2: 2.3 MB against 200 MB a step)."""
+    """KL(teacher || student) of the logits two output heads give final hidden states, a chunk of positions
+    at a time. Its gradients, (p - q) (x the soft cap's slope) times the head's weight for the hidden states
+    and (p - q)^T times the hidden states for the head (when it is trained), are made in the same pass and
+    kept: [positions, hidden] and the head's shape, where whole logits kept [positions, vocabulary] for the
+    backward (SmolLM2: 2.3 MB against 200 MB a step)."""
 
     @staticmethod
-    def forward(ctx, hidden, teacher_hidden, head, teacher_head, softcap, chunk):
-        positions, device_type = hidden.shape[0], hidden.device.type
-        weight, bias = _matmul_weights(head, device_type)
-        teacher_weight, teacher_bias = ((weight, bias) if teacher_head is head
-                                        else _matmul_weights(teacher_head, device_type))
-        grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    def forward(ctx, hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, softcap, chunk):
+        positions, dtype = hidden.shape[0], _matmul_dtype(weight)
+        trains_weight, trains_bias = ctx.needs_input_grad[2], bias is not None and ctx.needs_input_grad[3]
+        cast = [None if t is None else t.to(dtype) for t in (weight, bias, teacher_weight, teacher_bias)]
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if trains_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if trains_bias else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen above
             for start in range(0, positions, chunk):
                 rows = slice(start, start + chunk)
-                student = _capped_logits(hidden[rows], weight, bias, softcap)
+                inputs = hidden[rows].to(dtype)
+                student = _capped_logits(inputs, cast[0], cast[1], softcap)
                 log_p = torch.log_softmax(student, dim=-1)
-                log_q = torch.log_softmax(_capped_logits(teacher_hidden[rows], teacher_weight, teacher_bias,
+                log_q = torch.log_softmax(_capped_logits(teacher_hidden[rows].to(dtype), cast[2], cast[3],
                                                          softcap), dim=-1)
                 q = log_q.exp()
                 total += log_q.sub_(log_p).mul_(q).sum()
                 slope = log_p.exp_().sub_(q)  # d KL / d logits, per position
                 if softcap:
                     slope.mul_(student.div_(softcap).square_().neg_().add_(1.0))
-                grad[rows] = torch.matmul(slope.to(weight.dtype), weight)  # as the head's own backward
-        ctx.save_for_backward(grad)
-        ctx.hidden_dtype = hidden.dtype
+                if grad_bias is not None:
+                    grad_bias += slope.sum(0)
+                slope = slope.to(dtype)  # as the head's own backward
+                grad_hidden[rows] = torch.matmul(slope, cast[0])
+                if grad_weight is not None:
+                    grad_weight += torch.matmul(slope.t(), inputs)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / positions
 
     @staticmethod
     def backward(ctx, grad_kl: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad.mul(grad_kl / grad.shape[0]).to(ctx.hidden_dtype), None, None, None, None, None
+        saved = ctx.saved_tensors
+        scale = grad_kl / saved[0].shape[0]
+        grads = [None if g is None else g.mul(scale).to(d) for g, d in zip(saved, ctx.dtypes, strict=True)]
+        return grads[0], None, grads[1], grads[2], None, None, None, None
 
 
 def head_distillation(hidden: torch.Tensor, teacher_hidden: torch.Tensor, head: torch.nn.Linear,
                       teacher_head: torch.nn.Linear, softcap: float | None = None) -> torch.Tensor:
     """KL(teacher || student), a mean over the positions the LM loss predicts (every position but each
-    sequence's last), from the final hidden states [batch, sequence, hidden] of two models and their frozen
-    output heads (`softcap`: Gemma's final logit soft cap), without ever holding whole logits: the same value
-    and gradient as `language_model_and_distillation`'s KL of the heads' logits."""
-    trained = head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad)
-    if trained and torch.is_grad_enabled():
-        raise ValueError("head_distillation gives no gradient to the output head: freeze it")
+    sequence's last), from the final hidden states [batch, sequence, hidden] of two models and their output
+    heads (`softcap`: Gemma's final logit soft cap), without ever holding whole logits: the same value and
+    gradients (the student's hidden states, and its head's weight and bias when they are trained) as
+    `language_model_and_distillation`'s KL of the heads' logits."""
     student = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     teacher = teacher_hidden[:, :-1].reshape(-1, teacher_hidden.shape[-1])
     budget = CPU_CHUNK_BYTES if hidden.device.type == "cpu" else GPU_CHUNK_BYTES
     chunk = max(1, budget // (4 * head.out_features))
-    return _HeadDistillation.apply(student, teacher, head, teacher_head, softcap, chunk)
+    return _HeadDistillation.apply(student, teacher, head.weight, head.bias, teacher_head.weight,
+                                   teacher_head.bias, softcap, chunk)

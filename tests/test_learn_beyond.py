@@ -45,37 +45,34 @@ def test_fused_losses_and_gradient_match_the_naive_ones(dtype):
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_the_kl_from_hidden_states_in_chunks_matches_the_kl_of_whole_logits(softcap, monkeypatch):
     """`head_distillation` against KL(teacher || student) of the heads' whole logits written out in float64
-    (Gemma's soft cap cap * tanh(logits / cap) applied to both), value and gradient w.r.t. the student's
-    hidden states, with 3 positions a chunk: 10 predicted positions make 3 full chunks and a partial one."""
+    (Gemma's soft cap cap * tanh(logits / cap) applied to both): the value and the gradients w.r.t. the
+    student's hidden states and its head's weight and bias (quantize's tuning trains the head's scales), with
+    3 positions a chunk: 10 predicted positions make 3 full chunks and a partial one."""
     from leapctl import distill
 
     generator = torch.Generator().manual_seed(0)
     vocabulary, width = 11, 8
     monkeypatch.setattr(distill, "CPU_CHUNK_BYTES", 3 * 4 * vocabulary)
     head, teacher_head = torch.nn.Linear(width, vocabulary), torch.nn.Linear(width, vocabulary, bias=False)
-    for module in (head, teacher_head):
-        module.requires_grad_(False)
+    teacher_head.requires_grad_(False)
     hidden = torch.randn(2, 6, width, generator=generator).requires_grad_()
     teacher_hidden = torch.randn(2, 6, width, generator=generator)
-    reference = hidden.detach().double().requires_grad_()
+    reference = [t.detach().double().requires_grad_() for t in (hidden, head.weight, head.bias)]
 
-    def logits(h, linear):
-        z = torch.nn.functional.linear(h, linear.weight.double(),
-                                       None if linear.bias is None else linear.bias.double())[:, :-1]
+    def logits(h, weight, bias=None):
+        z = torch.nn.functional.linear(h, weight.double(), bias)[:, :-1]
         return softcap * torch.tanh(z / softcap) if softcap else z
 
-    log_p = torch.log_softmax(logits(reference, head), -1)
-    log_q = torch.log_softmax(logits(teacher_hidden.double(), teacher_head), -1)
+    log_p = torch.log_softmax(logits(*reference), -1)
+    log_q = torch.log_softmax(logits(teacher_hidden.double(), teacher_head.weight), -1)
     naive = (log_q.exp() * (log_q - log_p)).sum(-1).mean()
     kl = distill.head_distillation(hidden, teacher_hidden, head, teacher_head, softcap)
     torch.testing.assert_close(kl.double(), naive, rtol=1e-5, atol=1e-6)
     (3 * kl).backward()
     (3 * naive).backward()
     assert hidden.grad[:, -1].abs().max() == 0  # each sequence's last position predicts nothing
-    torch.testing.assert_close(hidden.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
-    head.weight.requires_grad_(True)
-    with pytest.raises(ValueError, match="freeze"):
-        distill.head_distillation(hidden, teacher_hidden, head, teacher_head)
+    for tensor, expected in zip((hidden, head.weight, head.bias), reference, strict=True):
+        torch.testing.assert_close(tensor.grad.double(), expected.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_teacher_forward_is_the_dense_model(tiny_checkpoint):

@@ -126,3 +126,19 @@ def head_distillation(hidden: torch.Tensor, teacher_hidden: torch.Tensor, head: 
     chunk = max(1, budget // (4 * head.out_features))
     return _HeadDistillation.apply(student, teacher, head.weight, head.bias, teacher_head.weight,
                                    teacher_head.bias, softcap, chunk)
+
+
+def model_distillation(student: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor,
+                       output_hidden_states: bool = False):
+    """Both causal LMs' decoders on `ids` (the teacher without gradients; under the caller's autocast) and
+    `head_distillation` of their final hidden states through their own output heads, with the student's
+    config's soft cap: (KL, the student's decoder output, the teacher's), the outputs for callers that also
+    compare block outputs (`output_hidden_states`)."""
+    inputs = dict(input_ids=ids, use_cache=False, output_hidden_states=output_hidden_states)
+    with torch.no_grad():
+        dense = teacher.get_decoder()(**inputs)
+    sparse = student.get_decoder()(**inputs)
+    softcap = getattr(student.config.get_text_config(), "final_logit_softcapping", None)
+    kl = head_distillation(sparse.last_hidden_state, dense.last_hidden_state, student.get_output_embeddings(),
+                           teacher.get_output_embeddings(), softcap)
+    return kl, sparse, dense

@@ -9,7 +9,7 @@ of that: on stories260K, LEAP 50% + GPTQ 4-bit went from +7.7% perplexity over t
 `scale * (code - 7.5)` in fp32 and `export --format bitmap-q4` reads them bit for bit.
 
 A training loop to read top to bottom, like `learn.train`: the teacher's final hidden states, the student's,
-the KL between their heads' logits a chunk of positions at a time (`distill.head_distillation`), a cosine
+the KL between their heads' logits a chunk of positions at a time (`distill.model_distillation`), a cosine
 learning rate, one Adam step."""
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from leapctl.distill import head_distillation
+from leapctl.distill import model_distillation
 from leapctl.models import recompute_blocks_in_backward
 from leapctl.progress import progress_bar
 from leapctl.schedule import cosine_with_warmup
@@ -96,7 +96,6 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
     optimizer = torch.optim.Adam([{"params": gains, "lr": lr}, {"params": norms, "lr": lr * NORM_LR_FACTOR}])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(0, steps))
     teacher.eval()
-    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     checkpointed = recompute_blocks_in_backward(model) if checkpointing else []
     generator = torch.Generator().manual_seed(seed)
     history = []
@@ -106,12 +105,7 @@ def tune_scales(model: nn.Module, teacher: nn.Module, scales: dict[str, torch.Te
             batch = calib_ids[torch.randint(calib_ids.shape[0], (batch_size,), generator=generator)]
             batch = batch.to(next(model.parameters()).device)
             with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
-                with torch.no_grad():
-                    dense = teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
-                hidden = model.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
-                kl = head_distillation(hidden, dense, model.get_output_embeddings(),
-                                       teacher.get_output_embeddings(), softcap)
-            del hidden, dense
+                kl, _, _ = model_distillation(model, teacher, batch)
             optimizer.zero_grad(set_to_none=True)
             kl.backward()
             optimizer.step()

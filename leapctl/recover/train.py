@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from leapctl.distill import head_distillation
+from leapctl.distill import model_distillation
 from leapctl.errors import LeapctlError
 from leapctl.learn.checkpoint import (
     load_tensors,
@@ -166,16 +166,10 @@ def distillation_losses(student: nn.Module, teacher: nn.Module, ids: torch.Tenso
                         hidden_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, KL, hidden) of one batch, the two models run here (the teacher without gradients; under the
     caller's autocast): KL(teacher || student) over the next-token positions, from the final hidden states
-    and the frozen output heads a chunk of positions at a time (`distill.head_distillation`), and (when
+    and the frozen output heads a chunk of positions at a time (`distill.model_distillation`), and (when
     `hidden_weight` > 0) SquareHead's per-block loss, each block output's squared error over the dense
     output's mean square, averaged over blocks."""
-    hidden_states = hidden_weight > 0
-    with torch.no_grad():
-        dense = teacher.get_decoder()(input_ids=ids, use_cache=False, output_hidden_states=hidden_states)
-    sparse = student.get_decoder()(input_ids=ids, use_cache=False, output_hidden_states=hidden_states)
-    softcap = getattr(student.config.get_text_config(), "final_logit_softcapping", None)
-    kl = head_distillation(sparse.last_hidden_state, dense.last_hidden_state, student.get_output_embeddings(),
-                           teacher.get_output_embeddings(), softcap)
+    kl, sparse, dense = model_distillation(student, teacher, ids, output_hidden_states=hidden_weight > 0)
     if not hidden_weight:
         zero = torch.zeros((), dtype=torch.float32, device=kl.device)
         return kl, kl, zero
